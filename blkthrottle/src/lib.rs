@@ -1,0 +1,1 @@
+//! corral-blkthrottle (work in progress)

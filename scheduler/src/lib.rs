@@ -1,0 +1,1 @@
+//! corral-scheduler (work in progress)
