@@ -1,1 +1,15 @@
-//! corral-devices
+//! Emulated devices of a corral VM: the port/MMIO buses, the 8250 serial console
+//! (vm-superio), the i8042 reset line, and (later) virtio-mmio devices.
+//!
+//! Every access comes from a guest and is untrusted: offsets and sizes are
+//! checked, unknown accesses are counted and answered like floating hardware.
+
+pub mod bus;
+pub mod console;
+pub mod i8042;
+pub mod serial;
+
+pub use bus::{Bus, BusDevice, BusError, BusStats};
+pub use console::ConsoleLog;
+pub use i8042::I8042;
+pub use serial::{IrqTrigger, SerialDevice};

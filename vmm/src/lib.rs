@@ -1,1 +1,17 @@
-//! corral-vmm
+//! corral-vmm: one KVM virtual machine (memory, boot, vCPU threads, devices,
+//! lifecycle), and later the manager of many.
+
+pub mod boot;
+pub mod cpuid;
+mod devthread;
+pub mod layout;
+pub mod loader;
+pub mod mptable;
+pub mod vcpu;
+pub mod vm;
+
+pub use kvm_ioctls::Kvm;
+pub use vm::{
+    ExitReason, KernelSource, VmConfig, VmError, VmHandle, host_memory_mib, max_vcpus, start,
+    validate,
+};

@@ -1,0 +1,194 @@
+//! Address-range dispatch for port I/O and MMIO exits.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+/// A device reachable through port I/O or MMIO.
+pub trait BusDevice: Send {
+    /// The guest reads `data.len()` bytes at `offset` from the device's base.
+    fn read(&mut self, offset: u64, data: &mut [u8]);
+    /// The guest writes `data` at `offset` from the device's base.
+    fn write(&mut self, offset: u64, data: &[u8]);
+}
+
+/// Errors of bus construction.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum BusError {
+    /// The new range is empty or wraps around.
+    #[error("invalid bus range {base:#x}+{len:#x}")]
+    InvalidRange {
+        /// Base address.
+        base: u64,
+        /// Length.
+        len: u64,
+    },
+    /// The new range overlaps a registered one.
+    #[error("bus range {base:#x}+{len:#x} overlaps an existing device")]
+    Overlap {
+        /// Base address.
+        base: u64,
+        /// Length.
+        len: u64,
+    },
+}
+
+/// Counters of accesses no device claimed.
+#[derive(Debug, Default)]
+pub struct BusStats {
+    /// Reads of unclaimed addresses.
+    pub unknown_reads: AtomicU64,
+    /// Writes to unclaimed addresses.
+    pub unknown_writes: AtomicU64,
+}
+
+struct Entry {
+    base: u64,
+    len: u64,
+    dev: Arc<Mutex<dyn BusDevice>>,
+}
+
+/// A set of non-overlapping address ranges, each served by one device.
+///
+/// Unclaimed reads return all ones (a floating bus) and unclaimed writes are
+/// dropped; both are counted.
+#[derive(Default)]
+pub struct Bus {
+    entries: Vec<Entry>,
+    stats: Arc<BusStats>,
+}
+
+impl std::fmt::Debug for Bus {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let ranges: Vec<(u64, u64)> = self.entries.iter().map(|e| (e.base, e.len)).collect();
+        f.debug_struct("Bus").field("ranges", &ranges).finish()
+    }
+}
+
+impl Bus {
+    /// An empty bus.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Registers `dev` at `[base, base + len)`.
+    pub fn insert(
+        &mut self,
+        base: u64,
+        len: u64,
+        dev: Arc<Mutex<dyn BusDevice>>,
+    ) -> Result<(), BusError> {
+        let end = base
+            .checked_add(len)
+            .filter(|_| len > 0)
+            .ok_or(BusError::InvalidRange { base, len })?;
+        if self
+            .entries
+            .iter()
+            .any(|e| base < e.base + e.len && e.base < end)
+        {
+            return Err(BusError::Overlap { base, len });
+        }
+        let pos = self.entries.partition_point(|e| e.base < base);
+        self.entries.insert(pos, Entry { base, len, dev });
+        Ok(())
+    }
+
+    /// Counters of unclaimed accesses.
+    pub fn stats(&self) -> Arc<BusStats> {
+        self.stats.clone()
+    }
+
+    fn find(&self, addr: u64, size: usize) -> Option<(&Entry, u64)> {
+        let idx = self.entries.partition_point(|e| e.base <= addr);
+        let e = self.entries.get(idx.checked_sub(1)?)?;
+        let off = addr - e.base;
+        // The whole access must be inside the device's range.
+        let end = off.checked_add(size as u64)?;
+        (end <= e.len).then_some((e, off))
+    }
+
+    /// Dispatches a read; returns whether a device claimed it.
+    pub fn read(&self, addr: u64, data: &mut [u8]) -> bool {
+        match self.find(addr, data.len()) {
+            Some((e, off)) => {
+                lock(&e.dev).read(off, data);
+                true
+            }
+            None => {
+                data.fill(0xff);
+                self.stats.unknown_reads.fetch_add(1, Ordering::Relaxed);
+                false
+            }
+        }
+    }
+
+    /// Dispatches a write; returns whether a device claimed it.
+    pub fn write(&self, addr: u64, data: &[u8]) -> bool {
+        match self.find(addr, data.len()) {
+            Some((e, off)) => {
+                lock(&e.dev).write(off, data);
+                true
+            }
+            None => {
+                self.stats.unknown_writes.fetch_add(1, Ordering::Relaxed);
+                false
+            }
+        }
+    }
+}
+
+/// Locks a device, recovering from a poisoned lock (a panicking device
+/// thread must not take the vCPUs down with it).
+pub fn lock<T: ?Sized>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct Mem(Vec<u8>);
+    impl BusDevice for Mem {
+        fn read(&mut self, offset: u64, data: &mut [u8]) {
+            for (i, b) in data.iter_mut().enumerate() {
+                *b = self.0[offset as usize + i];
+            }
+        }
+        fn write(&mut self, offset: u64, data: &[u8]) {
+            self.0[offset as usize..offset as usize + data.len()].copy_from_slice(data);
+        }
+    }
+
+    #[test]
+    fn dispatch_and_unknown() {
+        let mut bus = Bus::new();
+        bus.insert(0x10, 8, Arc::new(Mutex::new(Mem(vec![0; 8]))))
+            .unwrap();
+        assert!(bus.write(0x12, &[7, 8]));
+        let mut b = [0u8; 2];
+        assert!(bus.read(0x12, &mut b));
+        assert_eq!(b, [7, 8]);
+        // Straddling the end is not claimed.
+        assert!(!bus.read(0x17, &mut b));
+        assert_eq!(b, [0xff, 0xff]);
+        assert!(!bus.write(0x0, &[1]));
+        assert!(!bus.write(u64::MAX, &[1, 2]));
+        let s = bus.stats();
+        assert_eq!(s.unknown_reads.load(Ordering::Relaxed), 1);
+        assert_eq!(s.unknown_writes.load(Ordering::Relaxed), 2);
+    }
+
+    #[test]
+    fn overlap_refused() {
+        let mut bus = Bus::new();
+        let d: Arc<Mutex<dyn BusDevice>> = Arc::new(Mutex::new(Mem(vec![0; 8])));
+        bus.insert(0x10, 8, d.clone()).unwrap();
+        assert_eq!(
+            bus.insert(0x17, 2, d.clone()),
+            Err(BusError::Overlap { base: 0x17, len: 2 })
+        );
+        assert!(bus.insert(0x8, 8, d.clone()).is_ok());
+        assert!(bus.insert(u64::MAX, 2, d.clone()).is_err());
+        assert!(bus.insert(0x100, 0, d).is_err());
+    }
+}

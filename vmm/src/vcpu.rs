@@ -1,0 +1,201 @@
+//! vCPU threads: the `KVM_RUN` loop, exit dispatch, and kicking a vCPU out
+//! of the guest with a signal plus `immediate_exit`.
+
+use std::cell::Cell;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use kvm_ioctls::{VcpuExit, VcpuFd};
+
+use crate::vm::{ExitReason, Shared};
+
+/// The real-time signal used to kick vCPU threads out of `KVM_RUN`.
+pub fn kick_signal() -> libc::c_int {
+    libc::SIGRTMIN() + 1
+}
+
+thread_local! {
+    /// This thread's `kvm_run` area, for the kick signal handler.
+    static KVM_RUN: Cell<*mut kvm_bindings::kvm_run> = const { Cell::new(std::ptr::null_mut()) };
+}
+
+extern "C" fn on_kick(_: libc::c_int) {
+    // Only touches a const-initialised thread-local (no allocation, no lock):
+    // async-signal-safe.
+    let p = KVM_RUN.with(|c| c.get());
+    if !p.is_null() {
+        // SAFETY: `p` is this thread's own mapped `kvm_run`, valid for as long
+        // as the VcpuFd lives; the vCPU loop clears the pointer before the
+        // VcpuFd is dropped. A volatile byte write cannot tear.
+        unsafe { std::ptr::addr_of_mut!((*p).immediate_exit).write_volatile(1) };
+    }
+}
+
+/// Installs the kick signal handler (idempotent, process-wide).
+pub fn install_kick_handler() -> std::io::Result<()> {
+    static ONCE: std::sync::OnceLock<std::io::Result<()>> = std::sync::OnceLock::new();
+    let r = ONCE.get_or_init(|| {
+        // SAFETY: a zeroed sigaction is a valid starting point; we set a
+        // handler that only does async-signal-safe work, and no SA_RESTART so
+        // that KVM_RUN returns EINTR.
+        unsafe {
+            let mut sa: libc::sigaction = std::mem::zeroed();
+            sa.sa_sigaction = on_kick as *const () as usize;
+            sa.sa_flags = 0;
+            libc::sigemptyset(&mut sa.sa_mask);
+            if libc::sigaction(kick_signal(), &sa, std::ptr::null_mut()) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+        }
+        Ok(())
+    });
+    match r {
+        Ok(()) => Ok(()),
+        Err(e) => Err(std::io::Error::new(e.kind(), e.to_string())),
+    }
+}
+
+/// Exit counters of one vCPU, by reason.
+#[derive(Debug, Default)]
+pub struct VcpuStats {
+    /// Port reads.
+    pub io_in: AtomicU64,
+    /// Port writes.
+    pub io_out: AtomicU64,
+    /// MMIO reads.
+    pub mmio_read: AtomicU64,
+    /// MMIO writes.
+    pub mmio_write: AtomicU64,
+    /// HLT exits (rare with the in-kernel irqchip).
+    pub hlt: AtomicU64,
+    /// Returns to user space because of a signal (kicks).
+    pub interrupted: AtomicU64,
+    /// Other exits.
+    pub other: AtomicU64,
+}
+
+impl VcpuStats {
+    /// (reason, count) pairs, for metrics.
+    pub fn snapshot(&self) -> [(&'static str, u64); 7] {
+        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        [
+            ("io_in", l(&self.io_in)),
+            ("io_out", l(&self.io_out)),
+            ("mmio_read", l(&self.mmio_read)),
+            ("mmio_write", l(&self.mmio_write)),
+            ("hlt", l(&self.hlt)),
+            ("interrupted", l(&self.interrupted)),
+            ("other", l(&self.other)),
+        ]
+    }
+}
+
+fn regs_summary(vcpu: &VcpuFd) -> String {
+    let mut s = String::new();
+    if let Ok(r) = vcpu.get_regs() {
+        s += &format!(
+            "rip={:#x} rsp={:#x} rflags={:#x} rax={:#x} rbx={:#x} rcx={:#x} rdx={:#x} rsi={:#x} rdi={:#x}",
+            r.rip, r.rsp, r.rflags, r.rax, r.rbx, r.rcx, r.rdx, r.rsi, r.rdi
+        );
+    }
+    if let Ok(sr) = vcpu.get_sregs() {
+        s += &format!(
+            " cr0={:#x} cr2={:#x} cr3={:#x} cr4={:#x} efer={:#x} cs={:#x}",
+            sr.cr0, sr.cr2, sr.cr3, sr.cr4, sr.efer, sr.cs.selector
+        );
+    }
+    s
+}
+
+/// Runs vCPU `index` until the VM stops. Returns when the VM's exit reason is set.
+pub(crate) fn run(mut vcpu: VcpuFd, index: u8, shared: Arc<Shared>) {
+    let stats = shared.vcpu_stats[index as usize].clone();
+    let run_ptr: *mut kvm_bindings::kvm_run = vcpu.get_kvm_run();
+    KVM_RUN.with(|c| c.set(run_ptr));
+    let fatal = |vcpu: &VcpuFd, what: String| {
+        let regs = regs_summary(vcpu);
+        tracing::error!(vcpu = index, "{what}; {regs}");
+        shared.set_exit(ExitReason::Fatal {
+            vcpu: index,
+            reason: what,
+            registers: regs,
+        });
+    };
+    loop {
+        if shared.is_stopping() {
+            break;
+        }
+        let exit = vcpu.run();
+        match exit {
+            Ok(VcpuExit::IoOut(port, data)) => {
+                stats.io_out.fetch_add(1, Ordering::Relaxed);
+                shared.pio.write(u64::from(port), data);
+            }
+            Ok(VcpuExit::IoIn(port, data)) => {
+                stats.io_in.fetch_add(1, Ordering::Relaxed);
+                shared.pio.read(u64::from(port), data);
+            }
+            Ok(VcpuExit::MmioWrite(addr, data)) => {
+                stats.mmio_write.fetch_add(1, Ordering::Relaxed);
+                shared.mmio.write(addr, data);
+            }
+            Ok(VcpuExit::MmioRead(addr, data)) => {
+                stats.mmio_read.fetch_add(1, Ordering::Relaxed);
+                shared.mmio.read(addr, data);
+            }
+            Ok(VcpuExit::Hlt) => {
+                stats.hlt.fetch_add(1, Ordering::Relaxed);
+            }
+            Ok(VcpuExit::IrqWindowOpen) | Ok(VcpuExit::Intr) => {
+                stats.other.fetch_add(1, Ordering::Relaxed);
+            }
+            Ok(VcpuExit::Shutdown) => {
+                fatal(&vcpu, "triple fault (KVM_EXIT_SHUTDOWN)".into());
+                break;
+            }
+            Ok(VcpuExit::SystemEvent(kind, _)) => {
+                stats.other.fetch_add(1, Ordering::Relaxed);
+                match kind {
+                    kvm_bindings::KVM_SYSTEM_EVENT_SHUTDOWN
+                    | kvm_bindings::KVM_SYSTEM_EVENT_RESET => {
+                        shared.set_exit(ExitReason::GuestShutdown);
+                    }
+                    other => {
+                        fatal(&vcpu, format!("system event {other} (guest crash)"));
+                    }
+                }
+                break;
+            }
+            Ok(VcpuExit::FailEntry(reason, cpu)) => {
+                fatal(
+                    &vcpu,
+                    format!("KVM entry failed: hardware reason {reason:#x} on host cpu {cpu}"),
+                );
+                break;
+            }
+            Ok(VcpuExit::InternalError) => {
+                // SAFETY: reading a plain-old-data union member that the
+                // kernel filled for KVM_EXIT_INTERNAL_ERROR.
+                let sub = unsafe { (*run_ptr).__bindgen_anon_1.internal.suberror };
+                fatal(&vcpu, format!("KVM internal error (suberror {sub})"));
+                break;
+            }
+            Ok(other) => {
+                stats.other.fetch_add(1, Ordering::Relaxed);
+                let what = format!("unhandled exit {other:?}");
+                fatal(&vcpu, what);
+                break;
+            }
+            Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => {
+                stats.interrupted.fetch_add(1, Ordering::Relaxed);
+                vcpu.set_kvm_immediate_exit(0);
+            }
+            Err(e) => {
+                fatal(&vcpu, format!("KVM_RUN failed: {e}"));
+                break;
+            }
+        }
+    }
+    KVM_RUN.with(|c| c.set(std::ptr::null_mut()));
+    drop(vcpu);
+}

@@ -1,0 +1,627 @@
+//! One VM: KVM fds, guest memory, boot payload, devices, vCPU threads and the
+//! device thread; its lifecycle from start to a recorded exit reason.
+
+use std::fs::File;
+use std::io::Cursor;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::thread::JoinHandleExt;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use corral_devices::bus::lock;
+use corral_devices::{Bus, ConsoleLog, I8042, SerialDevice};
+use kvm_bindings::{
+    KVM_MAX_CPUID_ENTRIES, KVM_PIT_SPEAKER_DUMMY, kvm_pit_config, kvm_userspace_memory_region,
+};
+use kvm_ioctls::{Kvm, VcpuFd, VmFd};
+use vm_memory::{Address, GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion};
+use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
+
+use crate::vcpu::{self, VcpuStats};
+use crate::{boot, cpuid, layout, loader, mptable};
+
+/// Where the kernel comes from.
+#[derive(Debug, Clone)]
+pub enum KernelSource {
+    /// A file on the host.
+    Path(PathBuf),
+    /// An image in memory (the built-in probe guest).
+    Bytes(Arc<[u8]>),
+}
+
+/// Everything needed to start one VM.
+#[derive(Debug, Clone)]
+pub struct VmConfig {
+    /// Name, for logs and thread names.
+    pub name: String,
+    /// Kernel image.
+    pub kernel: KernelSource,
+    /// Optional initrd.
+    pub initrd: Option<PathBuf>,
+    /// Kernel command line.
+    pub cmdline: String,
+    /// Number of vCPUs.
+    pub vcpus: u8,
+    /// Guest RAM in MiB.
+    pub memory_mib: u64,
+    /// Copy console output to the host's stdout.
+    pub console_stdout: bool,
+    /// Feed the host's stdin to the guest's serial port.
+    pub console_stdin: bool,
+    /// Bytes of console output kept in memory.
+    pub console_log_bytes: usize,
+}
+
+impl VmConfig {
+    /// A configuration with defaults: 1 vCPU, 128 MiB, no console on stdout.
+    pub fn new(name: impl Into<String>, kernel: KernelSource) -> Self {
+        Self {
+            name: name.into(),
+            kernel,
+            initrd: None,
+            cmdline: String::new(),
+            vcpus: 1,
+            memory_mib: 128,
+            console_stdout: false,
+            console_stdin: false,
+            console_log_bytes: 256 * 1024,
+        }
+    }
+}
+
+/// Why a VM stopped.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ExitReason {
+    /// The guest shut down or reset itself (i8042 reset, ACPI S5, KVM system event).
+    GuestShutdown,
+    /// Stopped on request from the host.
+    Stopped,
+    /// A fatal exit: triple fault, internal error, failed entry.
+    Fatal {
+        /// vCPU that hit it.
+        vcpu: u8,
+        /// What happened.
+        reason: String,
+        /// Register dump.
+        registers: String,
+    },
+}
+
+impl std::fmt::Display for ExitReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::GuestShutdown => write!(f, "guest shut down"),
+            Self::Stopped => write!(f, "stopped on request"),
+            Self::Fatal {
+                vcpu,
+                reason,
+                registers,
+            } => write!(f, "vcpu{vcpu}: {reason} ({registers})"),
+        }
+    }
+}
+
+/// Errors of VM configuration and start-up.
+#[derive(Debug, thiserror::Error)]
+pub enum VmError {
+    /// A bad configuration value.
+    #[error("{0}")]
+    Config(String),
+    /// /dev/kvm could not be opened or used.
+    #[error("KVM: {what}: {err}")]
+    Kvm {
+        /// What failed.
+        what: &'static str,
+        /// Why.
+        err: kvm_ioctls::Error,
+    },
+    /// Kernel/initrd/cmdline loading.
+    #[error(transparent)]
+    Load(#[from] loader::LoadError),
+    /// Boot state.
+    #[error(transparent)]
+    Boot(#[from] boot::BootError),
+    /// MP table.
+    #[error(transparent)]
+    MpTable(#[from] mptable::MpTableError),
+    /// Guest memory allocation.
+    #[error("cannot allocate guest memory: {0}")]
+    Memory(String),
+    /// Host resources (threads, eventfds, signals).
+    #[error("{what}: {err}")]
+    Io {
+        /// What failed.
+        what: &'static str,
+        /// Why.
+        err: std::io::Error,
+    },
+}
+
+fn kvm_err(what: &'static str) -> impl FnOnce(kvm_ioctls::Error) -> VmError {
+    move |err| VmError::Kvm { what, err }
+}
+
+fn io_err(what: &'static str) -> impl FnOnce(std::io::Error) -> VmError {
+    move |err| VmError::Io { what, err }
+}
+
+/// Host memory in MiB (MemTotal).
+pub fn host_memory_mib() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = s.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib / 1024)
+}
+
+/// The largest vCPU count this host's KVM allows for one VM (also bounded by
+/// what the MP table can describe).
+pub fn max_vcpus(kvm: &Kvm) -> usize {
+    kvm.get_max_vcpus().min(mptable::MAX_CPUS as usize)
+}
+
+/// Checks a configuration without creating anything; the checks a user
+/// expects before anything starts.
+pub fn validate(cfg: &VmConfig, kvm: &Kvm) -> Result<(), VmError> {
+    if cfg.vcpus == 0 {
+        return Err(VmError::Config("a VM needs at least 1 vCPU".into()));
+    }
+    let max = max_vcpus(kvm);
+    if usize::from(cfg.vcpus) > max {
+        return Err(VmError::Config(format!(
+            "{} vCPUs requested, but KVM on this host allows at most {max} per VM",
+            cfg.vcpus
+        )));
+    }
+    if cfg.memory_mib < layout::MIN_MEMORY_MIB {
+        return Err(VmError::Config(format!(
+            "{} MiB of memory is too small; the minimum is {} MiB",
+            cfg.memory_mib,
+            layout::MIN_MEMORY_MIB
+        )));
+    }
+    if let Some(host) = host_memory_mib()
+        && cfg.memory_mib > host
+    {
+        return Err(VmError::Config(format!(
+            "{} MiB of memory requested, but the host has only {host} MiB",
+            cfg.memory_mib
+        )));
+    }
+    if cfg.cmdline.len() > layout::CMDLINE_MAX || cfg.cmdline.contains('\0') {
+        return Err(VmError::Config(format!(
+            "the kernel command line must be at most {} bytes without NUL",
+            layout::CMDLINE_MAX
+        )));
+    }
+    match &cfg.kernel {
+        KernelSource::Path(p) => {
+            let path = p.display().to_string();
+            let mut f = File::open(p).map_err(|err| loader::LoadError::KernelIo {
+                path: path.clone(),
+                err,
+            })?;
+            if f.metadata().map(|m| m.is_dir()).unwrap_or(false) {
+                return Err(VmError::Config(format!("kernel {path} is a directory")));
+            }
+            loader::probe_kernel(&mut f, &path)?;
+        }
+        KernelSource::Bytes(b) => {
+            loader::probe_kernel(&mut Cursor::new(&b[..]), "built-in probe")?;
+        }
+    }
+    if let Some(p) = &cfg.initrd {
+        let meta = std::fs::metadata(p).map_err(|err| loader::LoadError::InitrdIo {
+            path: p.display().to_string(),
+            err,
+        })?;
+        if !meta.is_file() {
+            return Err(VmError::Config(format!(
+                "initrd {} is not a regular file",
+                p.display()
+            )));
+        }
+        if meta.len() >= cfg.memory_mib << 20 {
+            return Err(VmError::Config(format!(
+                "initrd {} ({} bytes) is larger than guest memory",
+                p.display(),
+                meta.len()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// State shared by a VM's threads.
+pub(crate) struct Shared {
+    pub(crate) pio: Bus,
+    pub(crate) mmio: Bus,
+    pub(crate) vcpu_stats: Vec<Arc<VcpuStats>>,
+    stopping: AtomicBool,
+    exit: Mutex<Option<ExitReason>>,
+    exit_cond: Condvar,
+    /// pthread ids of the vCPU threads, for kicks.
+    vcpu_pthreads: Mutex<Vec<libc::pthread_t>>,
+    /// Wakes the device thread.
+    wake: EventFd,
+}
+
+impl Shared {
+    pub(crate) fn is_stopping(&self) -> bool {
+        self.stopping.load(Ordering::Acquire)
+    }
+
+    /// Records the first exit reason and tells every thread to stop.
+    pub(crate) fn set_exit(&self, reason: ExitReason) {
+        {
+            let mut g = lock(&self.exit);
+            if g.is_none() {
+                tracing::info!("VM exit: {reason}");
+                *g = Some(reason);
+            }
+        }
+        self.stopping.store(true, Ordering::Release);
+        self.kick_all();
+        let _ = self.wake.write(1);
+        self.exit_cond.notify_all();
+    }
+
+    fn kick_all(&self) {
+        let sig = vcpu::kick_signal();
+        for t in lock(&self.vcpu_pthreads).iter() {
+            // SAFETY: `t` is a live thread of this VM: it is only removed
+            // from the list after being joined (see `VmHandle::join`).
+            unsafe {
+                libc::pthread_kill(*t, sig);
+            }
+        }
+    }
+}
+
+/// A running VM.
+pub struct VmHandle {
+    name: String,
+    shared: Arc<Shared>,
+    threads: Mutex<Vec<JoinHandle<()>>>,
+    console: Arc<ConsoleLog>,
+    started: Instant,
+    vcpu_tids: Vec<libc::pid_t>,
+    _vm: Arc<VmFd>,
+    _mem: GuestMemoryMmap,
+}
+
+impl std::fmt::Debug for VmHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("VmHandle")
+            .field("name", &self.name)
+            .finish_non_exhaustive()
+    }
+}
+
+impl VmHandle {
+    /// The VM's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Console output.
+    pub fn console(&self) -> Arc<ConsoleLog> {
+        self.console.clone()
+    }
+
+    /// Time since start.
+    pub fn uptime(&self) -> Duration {
+        self.started.elapsed()
+    }
+
+    /// Why the VM stopped, if it did.
+    pub fn exit_reason(&self) -> Option<ExitReason> {
+        lock(&self.shared.exit).clone()
+    }
+
+    /// Asks the VM to stop; returns at once.
+    pub fn stop(&self) {
+        self.shared.set_exit(ExitReason::Stopped);
+    }
+
+    /// Waits for the VM to stop, up to `timeout` (forever if `None`).
+    pub fn wait(&self, timeout: Option<Duration>) -> Option<ExitReason> {
+        let deadline = timeout.map(|t| Instant::now() + t);
+        let mut g = lock(&self.shared.exit);
+        while g.is_none() {
+            match deadline {
+                None => {
+                    g = self
+                        .shared
+                        .exit_cond
+                        .wait(g)
+                        .unwrap_or_else(|p| p.into_inner())
+                }
+                Some(d) => {
+                    let now = Instant::now();
+                    if now >= d {
+                        return None;
+                    }
+                    g = self
+                        .shared
+                        .exit_cond
+                        .wait_timeout(g, d - now)
+                        .unwrap_or_else(|p| p.into_inner())
+                        .0;
+                }
+            }
+        }
+        g.clone()
+    }
+
+    /// Stops the VM if needed and joins all its threads.
+    pub fn join(&self) -> ExitReason {
+        if self.exit_reason().is_none() {
+            self.stop();
+        }
+        let threads: Vec<_> = std::mem::take(&mut *lock(&self.threads));
+        // Keep kicking until every thread is out (a kick can race with a
+        // thread entering KVM_RUN only before `stopping` is visible). No
+        // thread is joined before all have finished, so every pthread id we
+        // signal is still valid.
+        while !threads.iter().all(|t| t.is_finished()) {
+            self.shared.kick_all();
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        lock(&self.shared.vcpu_pthreads).clear();
+        for t in threads {
+            let _ = t.join();
+        }
+        lock(&self.shared.vcpu_pthreads).clear();
+        self.console.close();
+        self.exit_reason().unwrap_or(ExitReason::Stopped)
+    }
+
+    /// Linux thread ids of the vCPU threads (for CPU accounting and cgroups).
+    pub fn vcpu_tids(&self) -> &[libc::pid_t] {
+        &self.vcpu_tids
+    }
+
+    /// Exit counters per vCPU.
+    pub fn vcpu_stats(&self) -> &[Arc<VcpuStats>] {
+        &self.shared.vcpu_stats
+    }
+
+    /// Unclaimed port I/O and MMIO accesses: (pio reads, pio writes, mmio reads, mmio writes).
+    pub fn unknown_accesses(&self) -> (u64, u64, u64, u64) {
+        let p = self.shared.pio.stats();
+        let m = self.shared.mmio.stats();
+        let l = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+        (
+            l(&p.unknown_reads),
+            l(&p.unknown_writes),
+            l(&m.unknown_reads),
+            l(&m.unknown_writes),
+        )
+    }
+}
+
+impl Drop for VmHandle {
+    fn drop(&mut self) {
+        self.join();
+    }
+}
+
+fn dup_stdout() -> Option<OwnedFd> {
+    // SAFETY: dup of fd 1 returns a new descriptor we own, or -1.
+    let fd = unsafe { libc::dup(libc::STDOUT_FILENO) };
+    // SAFETY: `fd` is a fresh descriptor owned by nobody else.
+    (fd >= 0).then(|| unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) })
+}
+
+/// Creates and starts a VM.
+pub fn start(cfg: &VmConfig) -> Result<VmHandle, VmError> {
+    let kvm = Kvm::new().map_err(kvm_err("cannot open /dev/kvm"))?;
+    validate(cfg, &kvm)?;
+    vcpu::install_kick_handler().map_err(io_err("installing the vCPU kick signal handler"))?;
+
+    let vm = kvm.create_vm().map_err(kvm_err("KVM_CREATE_VM"))?;
+    vm.set_tss_address(0xfffb_d000)
+        .map_err(kvm_err("KVM_SET_TSS_ADDR"))?;
+    vm.create_irq_chip()
+        .map_err(kvm_err("KVM_CREATE_IRQCHIP"))?;
+    vm.create_pit2(kvm_pit_config {
+        flags: KVM_PIT_SPEAKER_DUMMY,
+        ..Default::default()
+    })
+    .map_err(kvm_err("KVM_CREATE_PIT2"))?;
+
+    // Guest memory.
+    let mem_bytes = cfg.memory_mib << 20;
+    let ranges: Vec<(GuestAddress, usize)> = layout::ram_ranges(mem_bytes)
+        .into_iter()
+        .map(|(s, l)| (GuestAddress(s), l as usize))
+        .collect();
+    let mem =
+        GuestMemoryMmap::<()>::from_ranges(&ranges).map_err(|e| VmError::Memory(e.to_string()))?;
+    for (slot, region) in mem.iter().enumerate() {
+        let host = mem
+            .get_host_address(region.start_addr())
+            .map_err(|e| VmError::Memory(e.to_string()))?;
+        let r = kvm_userspace_memory_region {
+            slot: slot as u32,
+            flags: 0,
+            guest_phys_addr: region.start_addr().raw_value(),
+            memory_size: region.len(),
+            userspace_addr: host as u64,
+        };
+        // SAFETY: the region is a live mapping owned by `mem`, which the
+        // returned VmHandle keeps alive for as long as the VM fd exists.
+        unsafe { vm.set_user_memory_region(r) }.map_err(kvm_err("KVM_SET_USER_MEMORY_REGION"))?;
+    }
+
+    // Boot payload.
+    let loaded = match &cfg.kernel {
+        KernelSource::Path(p) => {
+            let path = p.display().to_string();
+            let mut f = File::open(p).map_err(|err| loader::LoadError::KernelIo {
+                path: path.clone(),
+                err,
+            })?;
+            loader::load_kernel(&mem, &mut f, &path)?
+        }
+        KernelSource::Bytes(b) => {
+            loader::load_kernel(&mem, &mut Cursor::new(&b[..]), "built-in probe")?
+        }
+    };
+    let initrd = match &cfg.initrd {
+        Some(p) => Some(loader::load_initrd(
+            &mem,
+            p,
+            loader::initrd_addr_max(&loaded),
+            loaded.kernel_end,
+        )?),
+        None => None,
+    };
+    loader::write_cmdline(&mem, &cfg.cmdline)?;
+    loader::write_boot_params(&mem, mem_bytes, &loaded, cfg.cmdline.len(), initrd)?;
+    boot::write_tables(&mem)?;
+    mptable::write(&mem, cfg.vcpus)?;
+
+    // Devices.
+    let console = ConsoleLog::new(cfg.console_log_bytes);
+    let serial_irq = EventFd::new(EFD_NONBLOCK).map_err(io_err("eventfd"))?;
+    vm.register_irqfd(&serial_irq, 4)
+        .map_err(kvm_err("KVM_IRQFD (serial)"))?;
+    let out_fd = if cfg.console_stdout {
+        dup_stdout()
+    } else {
+        None
+    };
+    let serial = Arc::new(Mutex::new(SerialDevice::new(
+        serial_irq,
+        out_fd,
+        console.clone(),
+    )));
+    let wake = EventFd::new(EFD_NONBLOCK).map_err(io_err("eventfd"))?;
+    let mut pio = Bus::new();
+    pio.insert(0x3f8, 8, serial.clone())
+        .map_err(|e| VmError::Config(e.to_string()))?;
+    let mmio = Bus::new();
+
+    let shared_slot: Arc<Mutex<Option<std::sync::Weak<Shared>>>> = Arc::new(Mutex::new(None));
+    let reset_target = shared_slot.clone();
+    let i8042 = I8042::new(Box::new(move || {
+        if let Some(s) = lock(&reset_target).as_ref().and_then(|w| w.upgrade()) {
+            s.set_exit(ExitReason::GuestShutdown);
+        }
+    }));
+    pio.insert(0x60, 5, Arc::new(Mutex::new(i8042)))
+        .map_err(|e| VmError::Config(e.to_string()))?;
+
+    let shared = Arc::new(Shared {
+        pio,
+        mmio,
+        vcpu_stats: (0..cfg.vcpus)
+            .map(|_| Arc::new(VcpuStats::default()))
+            .collect(),
+        stopping: AtomicBool::new(false),
+        exit: Mutex::new(None),
+        exit_cond: Condvar::new(),
+        vcpu_pthreads: Mutex::new(Vec::new()),
+        wake,
+    });
+    *lock(&shared_slot) = Some(Arc::downgrade(&shared));
+
+    // vCPUs.
+    let supported = kvm
+        .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
+        .map_err(kvm_err("KVM_GET_SUPPORTED_CPUID"))?;
+    let mut vcpus: Vec<VcpuFd> = Vec::with_capacity(cfg.vcpus.into());
+    let mut tsc_khz = None;
+    for i in 0..cfg.vcpus {
+        let v = vm
+            .create_vcpu(u64::from(i))
+            .map_err(kvm_err("KVM_CREATE_VCPU"))?;
+        if i == 0 {
+            tsc_khz = v.get_tsc_khz().ok().filter(|k| *k > 0);
+        }
+        let mut c = supported.clone();
+        cpuid::fixup(&mut c, i, cfg.vcpus, tsc_khz);
+        v.set_cpuid2(&c).map_err(kvm_err("KVM_SET_CPUID2"))?;
+        boot::setup_common(&v)?;
+        if i == 0 {
+            boot::setup_boot_cpu(&v, loaded.entry)?;
+        }
+        vcpus.push(v);
+    }
+
+    let vm = Arc::new(vm);
+    let mut threads = Vec::new();
+    let (tid_tx, tid_rx) = std::sync::mpsc::channel();
+    for (i, v) in vcpus.into_iter().enumerate() {
+        let sh = shared.clone();
+        let tx = tid_tx.clone();
+        let t = std::thread::Builder::new()
+            .name(format!("vcpu{i}"))
+            .spawn(move || {
+                // SAFETY: gettid has no preconditions.
+                let _ = tx.send((i, unsafe { libc::gettid() }));
+                vcpu::run(v, i as u8, sh)
+            });
+        match t {
+            Ok(t) => {
+                lock(&shared.vcpu_pthreads).push(t.as_pthread_t());
+                threads.push(t);
+            }
+            Err(e) => {
+                shared.set_exit(ExitReason::Stopped);
+                for t in threads {
+                    let _ = t.join();
+                }
+                return Err(VmError::Io {
+                    what: "spawning a vCPU thread",
+                    err: e,
+                });
+            }
+        }
+    }
+    drop(tid_tx);
+    let mut vcpu_tids = vec![0; cfg.vcpus.into()];
+    for (i, tid) in tid_rx.iter() {
+        vcpu_tids[i] = tid;
+    }
+
+    // Device thread: host stdin to the serial port, wake-ups.
+    let sh = shared.clone();
+    let stdin = cfg.console_stdin;
+    let dev = std::thread::Builder::new()
+        .name(format!("dev-{}", cfg.name))
+        .spawn(move || crate::devthread::run(sh, serial, stdin))
+        .map_err(io_err("spawning the device thread"))?;
+    threads.push(dev);
+
+    Ok(VmHandle {
+        name: cfg.name.clone(),
+        shared,
+        threads: Mutex::new(threads),
+        console,
+        started: Instant::now(),
+        vcpu_tids,
+        _vm: vm,
+        _mem: mem,
+    })
+}
+
+impl Shared {
+    pub(crate) fn wake_fd(&self) -> i32 {
+        self.wake.as_raw_fd()
+    }
+
+    pub(crate) fn clear_wake(&self) {
+        let _ = self.wake.read();
+    }
+}
+
+#[allow(dead_code)]
+fn _assert_send() {
+    fn s<T: Send + Sync>() {}
+    s::<Shared>();
+}
