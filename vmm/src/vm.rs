@@ -441,21 +441,40 @@ pub fn start(cfg: &VmConfig) -> Result<VmHandle, VmError> {
         .collect();
     let mem =
         GuestMemoryMmap::<()>::from_ranges(&ranges).map_err(|e| VmError::Memory(e.to_string()))?;
+    let mut regions = Vec::new();
     for (slot, region) in mem.iter().enumerate() {
         let host = mem
             .get_host_address(region.start_addr())
             .map_err(|e| VmError::Memory(e.to_string()))?;
-        let r = kvm_userspace_memory_region {
+        regions.push(kvm_userspace_memory_region {
             slot: slot as u32,
             flags: 0,
             guest_phys_addr: region.start_addr().raw_value(),
             memory_size: region.len(),
             userspace_addr: host as u64,
-        };
-        // SAFETY: the region is a live mapping owned by `mem`, which the
-        // returned VmHandle keeps alive for as long as the VM fd exists.
-        unsafe { vm.set_user_memory_region(r) }.map_err(kvm_err("KVM_SET_USER_MEMORY_REGION"))?;
+        });
     }
+    let vm = Arc::new(vm);
+    // Registering the first memory slot costs milliseconds on some hosts
+    // (nested KVM): do it beside the rest of the set-up, which does not need
+    // it, and wait for it before any vCPU runs.
+    let slots = {
+        let vm = vm.clone();
+        std::thread::Builder::new()
+            .name("memslots".into())
+            .spawn(move || -> Result<(), VmError> {
+                for r in regions {
+                    // SAFETY: the region is a live mapping owned by `mem`,
+                    // which the returned VmHandle keeps alive for as long as
+                    // the VM fd exists (and on error both are dropped together,
+                    // VM fd first).
+                    unsafe { vm.set_user_memory_region(r) }
+                        .map_err(kvm_err("KVM_SET_USER_MEMORY_REGION"))?;
+                }
+                Ok(())
+            })
+            .map_err(io_err("spawning a thread"))?
+    };
 
     // Boot payload.
     let loaded = match &cfg.kernel {
@@ -553,7 +572,9 @@ pub fn start(cfg: &VmConfig) -> Result<VmHandle, VmError> {
         vcpus.push(v);
     }
 
-    let vm = Arc::new(vm);
+    slots
+        .join()
+        .map_err(|_| VmError::Memory("memory registration thread panicked".into()))??;
     let mut threads = Vec::new();
     let (tid_tx, tid_rx) = std::sync::mpsc::channel();
     for (i, v) in vcpus.into_iter().enumerate() {

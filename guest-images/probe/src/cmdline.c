@@ -1,0 +1,116 @@
+/* cmdline.c - copy the command line out of boot_params and parse probe.* keys. */
+#include "probe.h"
+
+/* Written up to its NUL before use, so it need not be zeroed (.noinit). */
+char cmdline[CMDLINE_MAX] __attribute__((section(".noinit")));
+struct probe_params params;
+
+/* boot_params ("zero page") offsets, Linux boot protocol. */
+#define BP_EXT_CMD_LINE_PTR 0x0c8
+#define BP_CMD_LINE_PTR 0x228
+#define BP_CMDLINE_SIZE 0x238
+
+void cmdline_load(const u8 *bp)
+{
+	u64 ptr = *(const u32 *)(bp + BP_CMD_LINE_PTR) |
+		  ((u64) * (const u32 *)(bp + BP_EXT_CMD_LINE_PTR) << 32);
+	u64 max = *(const u32 *)(bp + BP_CMDLINE_SIZE);
+	size_t n = 0;
+	/* Only follow pointers into the identity-mapped low 4 GiB. */
+	if (ptr && ptr < (1UL << 32)) {
+		const volatile char *src = (const volatile char *)ptr;
+		u64 lim = CMDLINE_MAX - 1;
+		if (max && max < lim)
+			lim = max;
+		if (ptr + lim > (1UL << 32))
+			lim = (1UL << 32) - ptr;
+		while (n < lim && src[n]) {
+			char c = src[n];
+			/* keep PROBE-CMDLINE on one line and printable */
+			if (c == '\n' || c == '\r' || c == '\t')
+				c = ' ';
+			else if ((u8)c < 0x20 || (u8)c > 0x7e)
+				c = '?';
+			cmdline[n++] = c;
+		}
+	}
+	cmdline[n] = '\0';
+}
+
+static bool num_param(const char *v, size_t vl, u64 lo, u64 hi, u64 *out)
+{
+	u64 x;
+	if (!parse_u64(v, vl, &x) || x < lo || x > hi)
+		return false;
+	*out = x;
+	return true;
+}
+
+static void set_str(char *dst, size_t cap, const char *s, size_t n)
+{
+	if (n > cap - 1)
+		n = cap - 1;
+	memcpy(dst, s, n);
+	dst[n] = '\0';
+}
+
+/* Parses cmdline in place (it is not modified). */
+const char *cmdline_parse(void)
+{
+	static char errbuf[96];
+	set_str(params.mode, sizeof(params.mode), "boot", 4);
+	params.secs = 1;
+	params.interval_ms = 100;
+	params.units = 100;
+	params.unit_iters = DEFAULT_UNIT_ITERS;
+	params.cpus = 0;
+
+	const char *p = cmdline;
+	for (;;) {
+		while (*p == ' ')
+			p++;
+		if (!*p)
+			break;
+		const char *tok = p;
+		while (*p && *p != ' ')
+			p++;
+		size_t tl = (size_t)(p - tok);
+		size_t kl = 0;
+		while (kl < tl && tok[kl] != '=')
+			kl++;
+		bool has_v = kl < tl;
+		const char *v = tok + kl + 1;
+		size_t vl = has_v ? tl - kl - 1 : 0;
+		bool ok;
+
+		if (str_eq_n(tok, kl, "probe.mode")) {
+			ok = vl > 0 && vl < sizeof(params.mode);
+			if (ok)
+				set_str(params.mode, sizeof(params.mode), v, vl);
+		} else if (str_eq_n(tok, kl, "probe.secs")) {
+			ok = num_param(v, vl, 1, 86400, &params.secs);
+		} else if (str_eq_n(tok, kl, "probe.interval_ms")) {
+			ok = num_param(v, vl, 1, 86400000, &params.interval_ms);
+		} else if (str_eq_n(tok, kl, "probe.units")) {
+			ok = num_param(v, vl, 1, 100000000, &params.units);
+		} else if (str_eq_n(tok, kl, "probe.unit_iters")) {
+			ok = num_param(v, vl, 1, 1000000000, &params.unit_iters);
+		} else if (str_eq_n(tok, kl, "cpus")) {
+			ok = num_param(v, vl, 1, MAX_CPUS, &params.cpus);
+		} else {
+			continue; /* unknown key (e.g. console=ttyS0): ignored */
+		}
+		if (!ok) {
+			/* "bad-param <token>", token truncated to fit */
+			const char *pre = "bad-param ";
+			size_t n = strlen(pre);
+			memcpy(errbuf, pre, n);
+			if (tl > sizeof(errbuf) - 1 - n)
+				tl = sizeof(errbuf) - 1 - n;
+			memcpy(errbuf + n, tok, tl);
+			errbuf[n + tl] = '\0';
+			return errbuf;
+		}
+	}
+	return NULL;
+}

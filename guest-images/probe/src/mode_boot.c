@@ -1,0 +1,15 @@
+/* mode_boot.c - probe.mode=boot: bring the CPUs up, report, shut down. */
+#include "probe.h"
+
+static const char *boot_report(u32 ncpus)
+{
+	/* Guest-side time from kernel entry to "all CPUs online". */
+	u64 us = (run_start_tsc - boot_tsc) * 1000 / tsc_khz;
+	kprintf("PROBE-RESULT mode=boot cpus=%u boot_us=%lu\n", ncpus, us);
+	return NULL;
+}
+
+const struct probe_mode mode_boot = {
+	.name = "boot",
+	.report = boot_report,
+};

@@ -1,0 +1,166 @@
+/* probe.h - shared declarations for the corral probe guest. */
+#ifndef PROBE_H
+#define PROBE_H
+
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long u64;
+typedef long i64;
+typedef unsigned long size_t;
+typedef _Bool bool;
+#define true 1
+#define false 0
+#define NULL ((void *)0)
+
+#define MAX_CPUS 64
+#define STACK_SIZE 16384 /* keep in sync with entry.S */
+
+/* Fixed guest-physical addresses from the boot contract. */
+#define TRAMP_BASE 0x3000UL /* SIPI vector 0x03 */
+#define TRAMP_LIMIT 0x5000UL
+
+/* ---- low-level helpers ---- */
+static inline void outb(u16 port, u8 v) { __asm__ volatile("outb %0, %1" ::"a"(v), "Nd"(port)); }
+static inline u8 inb(u16 port)
+{
+	u8 v;
+	__asm__ volatile("inb %1, %0" : "=a"(v) : "Nd"(port));
+	return v;
+}
+static inline u64 rdtsc(void)
+{
+	u32 lo, hi;
+	__asm__ volatile("rdtsc" : "=a"(lo), "=d"(hi));
+	return ((u64)hi << 32) | lo;
+}
+static inline void cpuid(u32 leaf, u32 sub, u32 *a, u32 *b, u32 *c, u32 *d)
+{
+	__asm__ volatile("cpuid" : "=a"(*a), "=b"(*b), "=c"(*c), "=d"(*d) : "a"(leaf), "c"(sub));
+}
+static inline u64 rdmsr(u32 msr)
+{
+	u32 lo, hi;
+	__asm__ volatile("rdmsr" : "=a"(lo), "=d"(hi) : "c"(msr));
+	return ((u64)hi << 32) | lo;
+}
+static inline void wrmsr(u32 msr, u64 v)
+{
+	__asm__ volatile("wrmsr" ::"c"(msr), "a"((u32)v), "d"((u32)(v >> 32)) : "memory");
+}
+static inline void cpu_relax(void) { __asm__ volatile("pause" ::: "memory"); }
+static inline u64 read_cr3(void)
+{
+	u64 v;
+	__asm__ volatile("mov %%cr3, %0" : "=r"(v));
+	return v;
+}
+static inline u32 mmio_read32(u64 addr) { return *(volatile u32 *)addr; }
+static inline void mmio_write32(u64 addr, u32 v) { *(volatile u32 *)addr = v; }
+
+#define READ_ONCE(x) __atomic_load_n(&(x), __ATOMIC_ACQUIRE)
+#define WRITE_ONCE(x, v) __atomic_store_n(&(x), (v), __ATOMIC_RELEASE)
+
+/* ---- lib.c ---- */
+void *memset(void *d, int c, size_t n);
+void *memcpy(void *d, const void *s, size_t n);
+void *memmove(void *d, const void *s, size_t n);
+int memcmp(const void *a, const void *b, size_t n);
+size_t strlen(const char *s);
+int strcmp(const char *a, const char *b);
+bool str_eq_n(const char *a, size_t alen, const char *b); /* a[0..alen) == b */
+/* Parse decimal u64 from s[0..n); false on empty/non-digit/overflow. */
+bool parse_u64(const char *s, size_t n, u64 *out);
+
+/* ---- serial.c ---- */
+typedef struct { volatile u32 v; } spinlock_t;
+void spin_lock(spinlock_t *l);
+void spin_unlock(spinlock_t *l);
+void serial_init(void);
+void serial_putc(char c);       /* raw, caller holds console lock */
+void console_lock(void);
+void console_unlock(void);
+void console_force_lock(void);  /* for exception paths: bounded wait, then take */
+/* printf subset: %s %c %d %u %x %lu %ld %lx %llu %llx %%, with optional 0-pad width */
+void kprintf(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+void kprintf_unlocked(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+
+/* ---- time.c ---- */
+extern u64 tsc_khz;
+void time_init(void);
+u64 tsc_to_ms(u64 cycles);
+u64 ms_to_tsc(u64 ms);
+u64 us_to_tsc(u64 us);
+void udelay(u64 us);
+
+/* ---- cmdline.c ---- */
+#define CMDLINE_MAX 4096
+#define DEFAULT_UNIT_ITERS 450000 /* work unit: ~1 ms on a current x86 core */
+struct probe_params {
+	char mode[32];
+	u64 secs;          /* spin */
+	u64 interval_ms;   /* spin */
+	u64 units;         /* work */
+	u64 unit_iters;    /* work: hash rounds per unit */
+	u64 cpus;          /* fallback CPU count, 0 = unset */
+};
+extern struct probe_params params;
+extern char cmdline[CMDLINE_MAX];
+void cmdline_load(const u8 *boot_params);
+void kmain(const u8 *boot_params);
+void ap_main(u32 slot);
+void exception_handler(u64 *frame);
+/* Returns NULL on success, else a short error text. */
+const char *cmdline_parse(void);
+
+/* ---- mp.c ---- */
+struct mp_info {
+	bool found;
+	u32 lapic_addr;
+	u32 ncpus;              /* enabled processor entries */
+	u8 apic_ids[MAX_CPUS];  /* enabled processors (first MAX_CPUS) */
+	u8 bsp_flag[MAX_CPUS];
+	u32 total_entries;      /* enabled processors in the table (may exceed MAX_CPUS) */
+};
+extern struct mp_info mp;
+void mp_scan(void);
+
+/* ---- smp.c ---- */
+extern volatile u32 cpus_online;   /* CPUs admitted (BSP included) */
+extern u32 cpus_expected;
+extern u32 cpu_apic_id[MAX_CPUS];
+u32 this_apic_id(void);
+/* Start the APs and wait (bounded) for them; returns number online. */
+u32 smp_boot(u64 wait_ms);
+/* Per-run rendezvous: BSP releases APs into the mode's per-CPU function. */
+void smp_release(void);
+/* BSP: wait until every AP finished the mode work; false on timeout. */
+bool smp_wait_done(u64 timeout_ms);
+
+/* ---- trap.c ---- */
+void idt_load(void);
+
+/* ---- main.c ---- */
+extern u64 boot_tsc;
+void __attribute__((noreturn)) probe_finish(bool ok, const char *reason);
+/* Print "PROBE-ERROR <msg>", then PROBE-DONE status=error reason=<reason>, reset. */
+void __attribute__((noreturn)) probe_fail(const char *reason, const char *msg);
+void __attribute__((noreturn)) halt_forever(void);
+
+/* ---- modes ---- */
+struct probe_mode {
+	const char *name;
+	/* BSP, before APs are released. Return false (after printing) to fail. */
+	bool (*prepare)(u32 ncpus);
+	/* Every CPU (id 0 = BSP), concurrently; NULL = nothing to do. */
+	void (*run_cpu)(u32 id);
+	/* Extra guest-ms allowed for the CPUs to finish, beyond the mode's own time. */
+	u64 (*timeout_ms)(void);
+	/* BSP, after all CPUs finished: print PROBE-RESULT lines. Return NULL for
+	 * success or a one-word error reason. */
+	const char *(*report)(u32 ncpus);
+};
+extern const struct probe_mode mode_boot, mode_spin, mode_work;
+extern u64 run_start_tsc; /* TSC at release of the mode's work */
+
+#endif

@@ -1,0 +1,1085 @@
+//! The share policy: entitlements by water-filling, credits, park decisions.
+//!
+//! [`Policy`] is a pure state machine: it is driven by [`Policy::tick`] with
+//! a timestamp and per-VM usage, never reads a clock and never blocks, so it
+//! is tested and simulated with a fake clock. See the [crate docs](crate) for
+//! the algorithm; this module documents the mechanics.
+//!
+//! # Inputs
+//!
+//! Each tick the caller reports, per VM, a [`VmUsage`]: CPU time (a
+//! monotonically increasing total, or the delta since the previous tick) and
+//! how many vCPUs *wanted* CPU during the tick (`runnable_vcpus`; `0` = idle,
+//! i.e. halted in the guest). A parked VM whose vCPUs are waiting on the gate
+//! wants CPU: report those vCPUs as runnable. VMs not mentioned in a tick are
+//! treated as idle with no usage. Unknown ids are ignored (a VM removed
+//! concurrently).
+//!
+//! # Cost
+//!
+//! A tick is `O(n)` for `n` VMs, plus `O(n log n)` when the set of runnable
+//! vCPUs changed and entitlements must be recomputed (water-filling sorts
+//! breakpoints; a linear fast path handles the common case where no VM in a
+//! class is limited by its vCPU count). All buffers are reused: a tick does
+//! not allocate once the model is stable.
+
+use std::collections::{BTreeMap, HashMap};
+use std::hash::{BuildHasherDefault, Hasher};
+
+use thiserror::Error;
+
+use crate::model::{ClassSpec, Model, VmId, VmSpec};
+
+/// Tunables of the policy. Both can be changed live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PolicyConfig {
+    /// Expected interval between ticks, in ns (default 10 ms). The policy
+    /// uses the real time between ticks for accounting; this value only
+    /// sizes the debt bound (one tick of overrun is always repaid).
+    pub tick_ns: u64,
+    /// Accounting period, in ns (default 100 ms): credit carry-over is
+    /// bounded by one period's worth of entitlement, and `used_pct` in the
+    /// stats is averaged over about one period.
+    pub period_ns: u64,
+}
+
+impl Default for PolicyConfig {
+    fn default() -> Self {
+        PolicyConfig {
+            tick_ns: 10_000_000,
+            period_ns: 100_000_000,
+        }
+    }
+}
+
+/// Shortest tick accepted by [`PolicyConfig::validate`].
+pub const MIN_TICK_NS: u64 = 100_000;
+
+impl PolicyConfig {
+    /// Checks the configuration.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.tick_ns < MIN_TICK_NS {
+            return Err(ConfigError::TickTooShort(self.tick_ns));
+        }
+        if self.period_ns < self.tick_ns {
+            return Err(ConfigError::PeriodShorterThanTick {
+                period_ns: self.period_ns,
+                tick_ns: self.tick_ns,
+            });
+        }
+        Ok(())
+    }
+}
+
+/// An invalid [`PolicyConfig`].
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum ConfigError {
+    /// Tick below [`MIN_TICK_NS`].
+    #[error("tick must be at least {MIN_TICK_NS} ns, got {0} ns")]
+    TickTooShort(u64),
+    /// Period shorter than a tick.
+    #[error("accounting period ({period_ns} ns) must be at least one tick ({tick_ns} ns)")]
+    PeriodShorterThanTick {
+        /// Requested period.
+        period_ns: u64,
+        /// Requested tick.
+        tick_ns: u64,
+    },
+}
+
+/// How CPU time is reported in a [`VmUsage`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CpuTime {
+    /// Total CPU time of the VM's vCPU threads since some fixed origin (e.g.
+    /// the sum of their `pthread_getcpuclockid` clocks). The first report of
+    /// a VM only sets the baseline. A total that goes backwards counts as 0.
+    Total(u64),
+    /// CPU time consumed since the previous tick.
+    Delta(u64),
+}
+
+/// `runnable_vcpus` value meaning "all of the VM's vCPUs".
+pub const ALL_VCPUS: u32 = u32::MAX;
+
+/// One VM's usage report for a tick.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct VmUsage {
+    /// The VM.
+    pub vm: VmId,
+    /// CPU time consumed.
+    pub cpu: CpuTime,
+    /// How many vCPUs wanted CPU during the tick (runnable, running, or
+    /// waiting on a parked gate); clamped to the VM's vCPU count. `0` means
+    /// the VM was idle (halted): it gets no entitlement and burns no credit.
+    pub runnable_vcpus: u32,
+}
+
+impl VmUsage {
+    /// Usage as a cumulative CPU total; `wants_cpu` marks all vCPUs runnable.
+    pub fn total(vm: VmId, cpu_ns_total: u64, wants_cpu: bool) -> Self {
+        VmUsage {
+            vm,
+            cpu: CpuTime::Total(cpu_ns_total),
+            runnable_vcpus: if wants_cpu { ALL_VCPUS } else { 0 },
+        }
+    }
+
+    /// Usage as a delta since the previous tick; `wants_cpu` marks all vCPUs
+    /// runnable.
+    pub fn delta(vm: VmId, cpu_ns: u64, wants_cpu: bool) -> Self {
+        VmUsage {
+            vm,
+            cpu: CpuTime::Delta(cpu_ns),
+            runnable_vcpus: if wants_cpu { ALL_VCPUS } else { 0 },
+        }
+    }
+
+    /// Builder: report exactly `n` runnable vCPUs (more precise than a bool
+    /// for VMs whose vCPUs are not all busy).
+    pub fn with_runnable_vcpus(mut self, n: u32) -> Self {
+        self.runnable_vcpus = n;
+        self
+    }
+}
+
+/// What to do with a VM's gate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Action {
+    /// Park: kick the vCPUs out of `KVM_RUN` and hold them on the gate.
+    Park,
+    /// Unpark: release the vCPUs.
+    Unpark,
+}
+
+/// A change of a VM's parked state decided by a tick.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Change {
+    /// The VM.
+    pub vm: VmId,
+    /// What to do.
+    pub action: Action,
+}
+
+/// The per-VM result of a tick.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct VmDecision {
+    /// The VM.
+    pub vm: VmId,
+    /// `false` if the VM must be parked until a later tick says otherwise.
+    pub should_run: bool,
+    /// Current entitlement in percent of one CPU (0 when idle).
+    pub entitlement_pct: f64,
+}
+
+/// Result of [`Policy::tick`]; buffers are reused between ticks.
+#[derive(Debug, Clone, Default)]
+pub struct TickOutput {
+    now_ns: u64,
+    changes: Vec<Change>,
+    vms: Vec<VmDecision>,
+}
+
+impl TickOutput {
+    /// Timestamp of the tick.
+    pub fn now_ns(&self) -> u64 {
+        self.now_ns
+    }
+
+    /// Parked-state changes to apply (only VMs whose state changed). Apply
+    /// them all: the policy assumes they take effect.
+    pub fn changes(&self) -> &[Change] {
+        &self.changes
+    }
+
+    /// Decision for every VM in the model (ordered by class, then id).
+    pub fn vms(&self) -> &[VmDecision] {
+        &self.vms
+    }
+}
+
+/// Entitlements of classes and VMs for a given demand, in percent of one CPU
+/// (see [`entitlements`]).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Entitlements {
+    /// Per class (classes with no runnable VM get 0).
+    pub classes: BTreeMap<String, f64>,
+    /// Per VM (idle VMs get 0).
+    pub vms: BTreeMap<VmId, f64>,
+}
+
+/// Scheduling statistics of one VM.
+#[derive(Debug, Clone, PartialEq)]
+pub struct VmStats {
+    /// The VM.
+    pub vm: VmId,
+    /// Its class.
+    pub class: String,
+    /// Its weight in the class.
+    pub weight: u32,
+    /// Its vCPU count.
+    pub vcpus: u32,
+    /// vCPUs that wanted CPU in the last tick.
+    pub runnable_vcpus: u32,
+    /// Current entitlement, percent of one CPU.
+    pub entitlement_pct: f64,
+    /// CPU used, percent of one CPU, averaged over about one period.
+    pub used_pct: f64,
+    /// Total CPU time accounted since the VM was added, ns.
+    pub cpu_ns: u64,
+    /// Current credit, ns of CPU time (negative = debt).
+    pub credit_ns: i64,
+    /// Whether the VM is currently parked.
+    pub parked: bool,
+    /// Total time spent parked, ns.
+    pub parked_ns: u64,
+    /// Number of times the VM was parked.
+    pub park_count: u64,
+}
+
+/// Scheduling statistics of one class (sums over its VMs).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ClassStats {
+    /// Class name.
+    pub name: String,
+    /// Its settings.
+    pub spec: ClassSpec,
+    /// Number of VMs.
+    pub vms: usize,
+    /// Number of VMs currently parked.
+    pub parked_vms: usize,
+    /// Class entitlement, percent of one CPU.
+    pub entitlement_pct: f64,
+    /// CPU used by its VMs, percent of one CPU, averaged over about a period.
+    pub used_pct: f64,
+    /// Total CPU time of its current VMs, ns.
+    pub cpu_ns: u64,
+    /// Remaining cap budget, ns (only for capped classes).
+    pub cap_budget_ns: Option<i64>,
+    /// Whether the cap is what currently limits the class.
+    pub cap_bound: bool,
+}
+
+/// Snapshot of the scheduler state, for metrics and `corral top`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Stats {
+    /// Capacity, percent of one CPU.
+    pub capacity_pct: u64,
+    /// Sum of class reservations, percent of one CPU.
+    pub reserved_pct: u64,
+    /// Ticks run so far.
+    pub ticks: u64,
+    /// Timestamp of the last tick.
+    pub last_tick_ns: Option<u64>,
+    /// Per class, by name.
+    pub classes: Vec<ClassStats>,
+    /// Per VM, ordered by class then id.
+    pub vms: Vec<VmStats>,
+}
+
+/// Fx-style hasher for `VmId` keys (cheap; ids are not attacker-chosen).
+#[derive(Default, Clone, Copy)]
+struct IdHasher(u64);
+
+impl Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.write_u64(u64::from(b));
+        }
+    }
+    fn write_u64(&mut self, n: u64) {
+        self.0 = (self.0.rotate_left(5) ^ n).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95);
+    }
+}
+
+type IdMap = HashMap<VmId, usize, BuildHasherDefault<IdHasher>>;
+
+#[derive(Debug, Clone)]
+struct VmState {
+    id: VmId,
+    class: usize,
+    weight: u32,
+    vcpus: u32,
+    last_total: Option<u64>,
+    // Inputs of the current tick.
+    used_ns: u64,
+    runnable: u32,
+    prev_runnable: u32,
+    // Policy state.
+    credit: f64,
+    ent: f64,
+    ent_ref: f64,
+    parked: bool,
+    run: bool,
+    // Statistics.
+    cpu_ns: u64,
+    parked_ns: u64,
+    park_count: u64,
+    used_pct: f64,
+}
+
+impl VmState {
+    fn new(id: VmId, class: usize, spec: &VmSpec) -> Self {
+        VmState {
+            id,
+            class,
+            weight: spec.weight,
+            vcpus: spec.vcpus,
+            last_total: None,
+            used_ns: 0,
+            runnable: 0,
+            prev_runnable: 0,
+            credit: 0.0,
+            ent: 0.0,
+            ent_ref: 0.0,
+            parked: false,
+            run: true,
+            cpu_ns: 0,
+            parked_ns: 0,
+            park_count: 0,
+            used_pct: 0.0,
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+struct ClassState {
+    name: String,
+    spec: ClassSpec,
+    start: usize,
+    end: usize,
+    vcpus: u64,
+    budget: f64,
+    ent: f64,
+    cap_bound: bool,
+    used_ns: u64,
+    used_pct: f64,
+}
+
+/// One item of a water-filling problem.
+#[derive(Debug, Clone, Copy)]
+struct Wf {
+    w: f64,
+    lo: f64,
+    hi: f64,
+}
+
+/// Weighted max-min fair division of `total` among `items`: finds the level
+/// `λ` such that `Σ clamp(λ·w, lo, hi) = min(total, Σ hi)` and writes each
+/// item's share to `out`. Requires `w > 0` and `0 <= lo <= hi`. If even the
+/// lower bounds do not fit, they are scaled down proportionally.
+fn water_fill(items: &[Wf], total: f64, out: &mut Vec<f64>, events: &mut Vec<(f64, f64)>) {
+    out.clear();
+    let (mut sum_lo, mut sum_hi, mut sum_w) = (0.0, 0.0, 0.0);
+    for it in items {
+        sum_lo += it.lo;
+        sum_hi += it.hi;
+        if it.hi > 0.0 {
+            sum_w += it.w;
+        }
+    }
+    let total = total.max(0.0);
+    if sum_hi <= total {
+        out.extend(items.iter().map(|it| it.hi));
+        return;
+    }
+    if sum_lo >= total {
+        let scale = if sum_lo > 0.0 { total / sum_lo } else { 0.0 };
+        out.extend(items.iter().map(|it| it.lo * scale));
+        return;
+    }
+    // Fast path: every item with room is strictly inside its bounds.
+    let level = total / sum_w;
+    if items
+        .iter()
+        .all(|it| it.hi == 0.0 || (it.lo <= level * it.w && level * it.w <= it.hi))
+    {
+        out.extend(
+            items
+                .iter()
+                .map(|it| if it.hi == 0.0 { 0.0 } else { level * it.w }),
+        );
+        return;
+    }
+    // General case: sweep the breakpoints of the piecewise-linear
+    // f(λ) = Σ clamp(λ·w, lo, hi); slope +w at lo/w, -w at hi/w.
+    events.clear();
+    for it in items.iter().filter(|it| it.hi > 0.0) {
+        events.push((it.lo / it.w, it.w));
+        events.push((it.hi / it.w, -it.w));
+    }
+    events.sort_unstable_by(|a, b| a.0.total_cmp(&b.0));
+    let (mut f, mut slope, mut cur) = (sum_lo, 0.0_f64, 0.0_f64);
+    let mut level = f64::INFINITY;
+    for &(x, dw) in events.iter() {
+        let fx = f + slope * (x - cur);
+        if fx >= total && slope > 0.0 {
+            level = cur + (total - f) / slope;
+            break;
+        }
+        f = fx;
+        cur = x;
+        slope += dw;
+    }
+    out.extend(items.iter().map(|it| (level * it.w).clamp(it.lo, it.hi)));
+}
+
+/// The policy state. See the [module docs](self).
+#[derive(Debug, Clone)]
+pub struct Policy {
+    config: PolicyConfig,
+    generation: Option<u64>,
+    capacity_pct: f64,
+    reserved_pct: u64,
+    vms: Vec<VmState>,
+    classes: Vec<ClassState>,
+    index: IdMap,
+    last_now: Option<u64>,
+    ticks: u64,
+    ent_dirty: bool,
+    // Scratch buffers, reused between ticks.
+    items: Vec<Wf>,
+    shares: Vec<f64>,
+    events: Vec<(f64, f64)>,
+    candidates: Vec<usize>,
+    output: TickOutput,
+}
+
+impl Policy {
+    /// A policy with no VMs; it picks the model up on the first tick (or
+    /// [`sync`](Self::sync)).
+    ///
+    /// # Panics
+    /// If `config` is invalid (see [`PolicyConfig::validate`]).
+    pub fn new(config: PolicyConfig) -> Self {
+        config.validate().expect("invalid policy config");
+        Policy {
+            config,
+            generation: None,
+            capacity_pct: 0.0,
+            reserved_pct: 0,
+            vms: Vec::new(),
+            classes: Vec::new(),
+            index: IdMap::default(),
+            last_now: None,
+            ticks: 0,
+            ent_dirty: true,
+            items: Vec::new(),
+            shares: Vec::new(),
+            events: Vec::new(),
+            candidates: Vec::new(),
+            output: TickOutput::default(),
+        }
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> PolicyConfig {
+        self.config
+    }
+
+    /// Changes the configuration live.
+    pub fn set_config(&mut self, config: PolicyConfig) -> Result<(), ConfigError> {
+        config.validate()?;
+        self.config = config;
+        Ok(())
+    }
+
+    /// Picks up model changes (no-op if the model's generation is unchanged).
+    /// VM state (credit, parked, statistics) survives by id, also across a
+    /// class move. Called by [`tick`](Self::tick) automatically.
+    pub fn sync(&mut self, model: &Model) {
+        if self.generation == Some(model.generation()) {
+            return;
+        }
+        self.generation = Some(model.generation());
+        self.capacity_pct = model.capacity().percent() as f64;
+        self.reserved_pct = model.reserved_percent();
+        self.ent_dirty = true;
+
+        let old_classes: HashMap<String, ClassState> = self
+            .classes
+            .drain(..)
+            .map(|c| (c.name.clone(), c))
+            .collect();
+        let mut names: Vec<&str> = Vec::with_capacity(model.class_count());
+        for (name, spec) in model.classes() {
+            let old = old_classes.get(name);
+            names.push(name);
+            self.classes.push(ClassState {
+                name: name.to_owned(),
+                spec: *spec,
+                start: 0,
+                end: 0,
+                vcpus: 0,
+                budget: old.map_or(0.0, |c| c.budget),
+                ent: 0.0,
+                cap_bound: false,
+                used_ns: 0,
+                used_pct: old.map_or(0.0, |c| c.used_pct),
+            });
+        }
+
+        let mut order: Vec<(usize, VmId, &VmSpec)> = model
+            .vms()
+            .map(|(id, spec)| {
+                let class = names
+                    .binary_search(&spec.class.as_str())
+                    .expect("model VM in unknown class");
+                (class, id, spec)
+            })
+            .collect();
+        order.sort_unstable_by_key(|&(class, id, _)| (class, id));
+
+        let mut old_vms = std::mem::take(&mut self.vms);
+        let old_index = std::mem::take(&mut self.index);
+        for (slot, &(class, id, spec)) in order.iter().enumerate() {
+            let state = match old_index.get(&id) {
+                Some(&i) => {
+                    let mut s = std::mem::replace(&mut old_vms[i], VmState::new(id, class, spec));
+                    s.class = class;
+                    s.weight = spec.weight;
+                    s.vcpus = spec.vcpus;
+                    s
+                }
+                None => VmState::new(id, class, spec),
+            };
+            self.vms.push(state);
+            self.index.insert(id, slot);
+            let c = &mut self.classes[class];
+            if c.end == 0 {
+                c.start = slot;
+            }
+            c.end = slot + 1;
+            c.vcpus += u64::from(spec.vcpus);
+        }
+        for c in &mut self.classes {
+            if c.end == 0 {
+                c.start = 0;
+            }
+        }
+    }
+
+    /// Runs one tick at time `now_ns` with the given usage reports and
+    /// returns the decisions. See the [crate docs](crate) for the algorithm.
+    ///
+    /// Passing `usages` in the order of [`TickOutput::vms`] (class, then id)
+    /// lets the policy skip a hash lookup per VM; any order is accepted.
+    pub fn tick(&mut self, model: &Model, now_ns: u64, usages: &[VmUsage]) -> &TickOutput {
+        self.sync(model);
+        let dt = self.last_now.map_or(0, |last| now_ns.saturating_sub(last));
+        self.last_now = Some(now_ns);
+        self.ticks += 1;
+        self.read_usages(usages);
+        if self.ent_dirty || self.vms.iter().any(|v| v.runnable != v.prev_runnable) {
+            self.compute_entitlements();
+            self.ent_dirty = false;
+        }
+        if dt > 0 {
+            self.account(dt);
+        }
+        self.decide();
+        self.emit(now_ns);
+        &self.output
+    }
+
+    fn read_usages(&mut self, usages: &[VmUsage]) {
+        for vm in &mut self.vms {
+            vm.used_ns = 0;
+            vm.runnable = 0;
+        }
+        let mut unknown = 0usize;
+        for (k, u) in usages.iter().enumerate() {
+            let i = match self.vms.get(k) {
+                Some(v) if v.id == u.vm => k,
+                _ => match self.index.get(&u.vm) {
+                    Some(&i) => i,
+                    None => {
+                        unknown += 1;
+                        continue;
+                    }
+                },
+            };
+            let vm = &mut self.vms[i];
+            let used = match u.cpu {
+                CpuTime::Total(total) => {
+                    let d = vm.last_total.map_or(0, |last| total.saturating_sub(last));
+                    vm.last_total = Some(total);
+                    d
+                }
+                CpuTime::Delta(d) => d,
+            };
+            vm.used_ns = vm.used_ns.saturating_add(used);
+            vm.runnable = vm.runnable.max(u.runnable_vcpus.min(vm.vcpus));
+        }
+        if unknown > 0 {
+            tracing::debug!(unknown, "usage reports for unknown VMs ignored");
+        }
+    }
+
+    /// Water-filling among classes, then among the VMs of each class.
+    fn compute_entitlements(&mut self) {
+        let Policy {
+            vms,
+            classes,
+            items,
+            shares,
+            events,
+            capacity_pct,
+            ..
+        } = self;
+        items.clear();
+        for c in classes.iter() {
+            let demand: f64 = vms[c.start..c.end]
+                .iter()
+                .map(|v| f64::from(v.runnable) * 100.0)
+                .sum();
+            let hi = c.spec.cap.map_or(demand, |cap| demand.min(f64::from(cap)));
+            let lo = (c.spec.reserved_percent() as f64).min(hi);
+            items.push(Wf {
+                w: f64::from(c.spec.shares),
+                lo,
+                hi,
+            });
+        }
+        water_fill(items, *capacity_pct, shares, events);
+        for (ci, c) in classes.iter_mut().enumerate() {
+            c.ent = shares[ci];
+            let demand = items[ci].hi;
+            c.cap_bound = c.spec.cap.is_some_and(|cap| {
+                let cap = f64::from(cap);
+                demand >= cap - 1e-9 && c.ent >= cap - 1e-6
+            });
+        }
+        for c in classes.iter() {
+            let range = c.start..c.end;
+            if range.is_empty() {
+                continue;
+            }
+            items.clear();
+            items.extend(vms[range.clone()].iter().map(|v| Wf {
+                w: f64::from(v.weight),
+                lo: 0.0,
+                hi: f64::from(v.runnable) * 100.0,
+            }));
+            water_fill(items, c.ent, shares, events);
+            for (v, &e) in vms[range].iter_mut().zip(shares.iter()) {
+                v.ent = e;
+            }
+        }
+    }
+
+    /// Credits and cap budgets for the `dt` ns that just elapsed.
+    fn account(&mut self, dt: u64) {
+        let dtf = dt as f64;
+        let period = self.config.period_ns as f64;
+        let tick = self.config.tick_ns as f64;
+        let alpha = (dtf / period).min(1.0);
+        for c in &mut self.classes {
+            c.used_ns = 0;
+        }
+        for vm in &mut self.vms {
+            let used = vm.used_ns as f64;
+            vm.cpu_ns = vm.cpu_ns.saturating_add(vm.used_ns);
+            if vm.parked {
+                vm.parked_ns += dt;
+            }
+            self.classes[vm.class].used_ns += vm.used_ns;
+            if vm.runnable > 0 {
+                vm.ent_ref = vm.ent;
+            }
+            let upper = period * vm.ent_ref / 100.0;
+            let lower = -(upper + 2.0 * tick * f64::from(vm.vcpus));
+            vm.credit = (vm.credit + vm.ent / 100.0 * dtf - used).clamp(lower, upper);
+            vm.used_pct += alpha * (used / dtf * 100.0 - vm.used_pct);
+        }
+        for c in &mut self.classes {
+            let used = c.used_ns as f64;
+            c.used_pct += alpha * (used / dtf * 100.0 - c.used_pct);
+            match c.spec.cap {
+                Some(cap) => {
+                    let rate = f64::from(cap) / 100.0;
+                    let upper = period * rate;
+                    let lower = -(upper + 2.0 * tick * c.vcpus as f64);
+                    c.budget = (c.budget + rate * dtf - used).clamp(lower, upper);
+                }
+                None => c.budget = 0.0,
+            }
+        }
+    }
+
+    /// Chooses which VMs run.
+    fn decide(&mut self) {
+        let Policy {
+            vms,
+            classes,
+            candidates,
+            capacity_pct,
+            ..
+        } = self;
+        candidates.clear();
+        let mut demand = 0.0;
+        for (i, vm) in vms.iter_mut().enumerate() {
+            let c = &classes[vm.class];
+            vm.run = if c.spec.cap.is_some() && c.budget <= 0.0 {
+                // Cap budget spent: parked even on an idle host.
+                false
+            } else if vm.runnable == 0 {
+                // Idle VMs stay unparked so they react at once when they wake.
+                true
+            } else if vm.credit > 0.0 {
+                demand += f64::from(vm.runnable) * 100.0;
+                true
+            } else {
+                // Out of credit: runs only if the VMs with credit leave CPU
+                // idle, and never if its class is held back by its cap.
+                if !c.cap_bound {
+                    candidates.push(i);
+                }
+                false
+            };
+        }
+        if demand < *capacity_pct && !candidates.is_empty() {
+            // Fill the idle capacity with the out-of-credit VMs that are
+            // least in debt. Each brings at least 100 %, so at most `need`
+            // of them are admitted: select those in O(n), sort only them.
+            let need = ((*capacity_pct - demand) / 100.0).ceil().max(1.0) as usize;
+            let by_credit = |a: &usize, b: &usize| {
+                vms[*b]
+                    .credit
+                    .total_cmp(&vms[*a].credit)
+                    .then_with(|| a.cmp(b))
+            };
+            if need < candidates.len() {
+                candidates.select_nth_unstable_by(need - 1, by_credit);
+                candidates.truncate(need);
+            }
+            candidates.sort_unstable_by(by_credit);
+            for &i in candidates.iter() {
+                if demand >= *capacity_pct {
+                    break;
+                }
+                vms[i].run = true;
+                demand += f64::from(vms[i].runnable) * 100.0;
+            }
+        }
+    }
+
+    fn emit(&mut self, now_ns: u64) {
+        let out = &mut self.output;
+        out.now_ns = now_ns;
+        out.changes.clear();
+        out.vms.clear();
+        for vm in &mut self.vms {
+            let park = !vm.run;
+            if park != vm.parked {
+                out.changes.push(Change {
+                    vm: vm.id,
+                    action: if park { Action::Park } else { Action::Unpark },
+                });
+                if park {
+                    vm.park_count += 1;
+                }
+                vm.parked = park;
+            }
+            vm.prev_runnable = vm.runnable;
+            out.vms.push(VmDecision {
+                vm: vm.id,
+                should_run: vm.run,
+                entitlement_pct: vm.ent,
+            });
+        }
+    }
+
+    /// VM ids in the policy's internal order (class name, then id), which
+    /// is also the order of [`TickOutput::vms`]. Reporting usages in this
+    /// order makes [`tick`](Self::tick) skip a hash lookup per VM.
+    pub fn vm_order(&self) -> impl Iterator<Item = VmId> + '_ {
+        self.vms.iter().map(|v| v.id)
+    }
+
+    /// The output of the last tick.
+    pub fn last_output(&self) -> &TickOutput {
+        &self.output
+    }
+
+    /// Whether a VM is currently parked (`None` if unknown).
+    pub fn is_parked(&self, vm: VmId) -> Option<bool> {
+        self.index.get(&vm).map(|&i| self.vms[i].parked)
+    }
+
+    /// Current entitlement of a VM in percent (`None` if unknown).
+    pub fn entitlement_pct(&self, vm: VmId) -> Option<f64> {
+        self.index.get(&vm).map(|&i| self.vms[i].ent)
+    }
+
+    /// A snapshot of all statistics (allocates; not for the tick path).
+    pub fn stats(&self) -> Stats {
+        let vms: Vec<VmStats> = self
+            .vms
+            .iter()
+            .map(|v| VmStats {
+                vm: v.id,
+                class: self.classes[v.class].name.clone(),
+                weight: v.weight,
+                vcpus: v.vcpus,
+                runnable_vcpus: v.runnable,
+                entitlement_pct: v.ent,
+                used_pct: v.used_pct,
+                cpu_ns: v.cpu_ns,
+                credit_ns: v.credit as i64,
+                parked: v.parked,
+                parked_ns: v.parked_ns,
+                park_count: v.park_count,
+            })
+            .collect();
+        let classes = self
+            .classes
+            .iter()
+            .map(|c| {
+                let members = &self.vms[c.start..c.end];
+                ClassStats {
+                    name: c.name.clone(),
+                    spec: c.spec,
+                    vms: members.len(),
+                    parked_vms: members.iter().filter(|v| v.parked).count(),
+                    entitlement_pct: c.ent,
+                    used_pct: c.used_pct,
+                    cpu_ns: members.iter().map(|v| v.cpu_ns).sum(),
+                    cap_budget_ns: c.spec.cap.map(|_| c.budget as i64),
+                    cap_bound: c.cap_bound,
+                }
+            })
+            .collect();
+        Stats {
+            capacity_pct: self.capacity_pct as u64,
+            reserved_pct: self.reserved_pct,
+            ticks: self.ticks,
+            last_tick_ns: self.last_now,
+            classes,
+            vms,
+        }
+    }
+}
+
+/// Entitlements for a hypothetical demand: `runnable(vm, spec)` says how many
+/// vCPUs of each VM want CPU. Pure; uses the same code as [`Policy::tick`].
+/// Handy for "what if" queries and tests.
+pub fn entitlements(model: &Model, mut runnable: impl FnMut(VmId, &VmSpec) -> u32) -> Entitlements {
+    let mut p = Policy::new(PolicyConfig::default());
+    p.sync(model);
+    for vm in &mut p.vms {
+        let spec = model.vm(vm.id).expect("synced VM exists");
+        vm.runnable = runnable(vm.id, spec).min(vm.vcpus);
+    }
+    p.compute_entitlements();
+    Entitlements {
+        classes: p.classes.iter().map(|c| (c.name.clone(), c.ent)).collect(),
+        vms: p.vms.iter().map(|v| (v.id, v.ent)).collect(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{Capacity, ClassSpec, VmSpec};
+
+    fn wf(items: &[(f64, f64, f64)], total: f64) -> Vec<f64> {
+        let items: Vec<Wf> = items.iter().map(|&(w, lo, hi)| Wf { w, lo, hi }).collect();
+        let mut out = Vec::new();
+        water_fill(&items, total, &mut out, &mut Vec::new());
+        out
+    }
+
+    fn close(a: &[f64], b: &[f64]) {
+        assert_eq!(a.len(), b.len());
+        for (x, y) in a.iter().zip(b) {
+            assert!((x - y).abs() < 1e-6, "{a:?} != {b:?}");
+        }
+    }
+
+    #[test]
+    fn water_fill_basics() {
+        // Unconstrained 3:1.
+        close(
+            &wf(&[(3.0, 0.0, 200.0), (1.0, 0.0, 200.0)], 200.0),
+            &[150.0, 50.0],
+        );
+        // Everyone satisfied.
+        close(
+            &wf(&[(3.0, 0.0, 50.0), (1.0, 0.0, 60.0)], 200.0),
+            &[50.0, 60.0],
+        );
+        // Upper bound redistributes.
+        close(
+            &wf(&[(3.0, 0.0, 200.0), (1.0, 0.0, 20.0)], 200.0),
+            &[180.0, 20.0],
+        );
+        close(
+            &wf(&[(1.0, 0.0, 50.0), (3.0, 0.0, 200.0)], 200.0),
+            &[50.0, 150.0],
+        );
+        // Lower bound.
+        close(
+            &wf(
+                &[(1.0, 100.0, 200.0), (10.0, 0.0, 200.0), (10.0, 0.0, 200.0)],
+                200.0,
+            ),
+            &[100.0, 50.0, 50.0],
+        );
+        // Lower bound not binding.
+        close(
+            &wf(&[(10.0, 10.0, 200.0), (10.0, 0.0, 200.0)], 200.0),
+            &[100.0, 100.0],
+        );
+        // Idle items get nothing.
+        close(
+            &wf(&[(1.0, 0.0, 0.0), (1.0, 0.0, 300.0)], 200.0),
+            &[0.0, 200.0],
+        );
+        // Lower bounds over capacity are scaled.
+        close(
+            &wf(&[(1.0, 300.0, 300.0), (1.0, 100.0, 300.0)], 200.0),
+            &[150.0, 50.0],
+        );
+        // Mixed: one capped, one reserved, rest shares.
+        let out = wf(
+            &[
+                (5.0, 0.0, 30.0),
+                (1.0, 120.0, 400.0),
+                (2.0, 0.0, 400.0),
+                (2.0, 0.0, 100.0),
+            ],
+            400.0,
+        );
+        close(&out, &[30.0, 120.0, 150.0, 100.0]);
+    }
+
+    #[test]
+    fn entitlements_three_to_one_with_weights() {
+        let mut m = Model::new(Capacity::from_cpus(2));
+        m.create_class("a", ClassSpec::new(3)).unwrap();
+        m.create_class("b", ClassSpec::new(1)).unwrap();
+        m.add_vm(VmId(1), VmSpec::new("a", 2)).unwrap();
+        m.add_vm(VmId(2), VmSpec::new("b", 2).with_weight(100))
+            .unwrap();
+        m.add_vm(VmId(3), VmSpec::new("b", 2).with_weight(300))
+            .unwrap();
+        let e = entitlements(&m, |_, s| s.vcpus);
+        assert!((e.classes["a"] - 150.0).abs() < 1e-9);
+        assert!((e.vms[&VmId(2)] - 12.5).abs() < 1e-9);
+        assert!((e.vms[&VmId(3)] - 37.5).abs() < 1e-9);
+        // B idle: A gets everything its vCPUs can use.
+        let e = entitlements(&m, |id, s| if id == VmId(1) { s.vcpus } else { 0 });
+        assert!((e.classes["a"] - 200.0).abs() < 1e-9);
+        assert_eq!(e.classes["b"], 0.0);
+    }
+
+    fn two_hogs() -> Model {
+        let mut m = Model::new(Capacity::from_cpus(2));
+        m.create_class("a", ClassSpec::new(3)).unwrap();
+        m.create_class("b", ClassSpec::new(1)).unwrap();
+        m.add_vm(VmId(1), VmSpec::new("a", 2)).unwrap();
+        m.add_vm(VmId(2), VmSpec::new("b", 2)).unwrap();
+        m
+    }
+
+    #[test]
+    fn tick_parks_the_overuser() {
+        let m = two_hogs();
+        let mut p = Policy::new(PolicyConfig::default());
+        let tick = 10_000_000;
+        let mut a = 0;
+        let mut b = 0;
+        // Nobody has credit yet: the host is filled by the first candidate
+        // (2 vCPUs cover 2 CPUs), the other one is parked.
+        let out = p.tick(
+            &m,
+            0,
+            &[
+                VmUsage::total(VmId(1), a, true),
+                VmUsage::total(VmId(2), b, true),
+            ],
+        );
+        assert_eq!(
+            out.changes(),
+            &[Change {
+                vm: VmId(2),
+                action: Action::Park
+            }]
+        );
+        // Suppose both ran flat out for one tick anyway (kick latency).
+        a += tick;
+        b += tick;
+        let out = p.tick(
+            &m,
+            tick,
+            &[
+                VmUsage::total(VmId(1), a, true),
+                VmUsage::total(VmId(2), b, true),
+            ],
+        );
+        let by_id = |id| out.vms().iter().find(|d| d.vm == id).unwrap();
+        assert!((by_id(VmId(1)).entitlement_pct - 150.0).abs() < 1e-9);
+        assert!(by_id(VmId(1)).should_run);
+        assert!(!by_id(VmId(2)).should_run);
+        assert!(out.changes().is_empty());
+        assert_eq!(p.is_parked(VmId(2)), Some(true));
+        let s = p.stats();
+        assert_eq!(s.vms[1].credit_ns, -5_000_000);
+        assert_eq!(s.vms[0].credit_ns, 5_000_000);
+    }
+
+    #[test]
+    fn idle_vms_burn_nothing_and_stay_unparked() {
+        let m = two_hogs();
+        let mut p = Policy::new(PolicyConfig::default());
+        for t in 0..10u64 {
+            let out = p.tick(
+                &m,
+                t * 10_000_000,
+                &[
+                    VmUsage::delta(VmId(1), 0, false),
+                    VmUsage::delta(VmId(2), 0, false),
+                ],
+            );
+            assert!(
+                out.vms()
+                    .iter()
+                    .all(|d| d.should_run && d.entitlement_pct == 0.0)
+            );
+        }
+        assert!(p.stats().vms.iter().all(|v| v.credit_ns == 0));
+    }
+
+    #[test]
+    fn unknown_and_missing_vms_are_tolerated() {
+        let m = two_hogs();
+        let mut p = Policy::new(PolicyConfig::default());
+        p.tick(&m, 0, &[VmUsage::delta(VmId(99), 5, true)]);
+        let out = p.tick(&m, 10_000_000, &[]);
+        assert_eq!(out.vms().len(), 2);
+    }
+
+    #[test]
+    fn config_validation() {
+        assert!(PolicyConfig::default().validate().is_ok());
+        assert_eq!(
+            PolicyConfig {
+                tick_ns: 10,
+                period_ns: 100
+            }
+            .validate(),
+            Err(ConfigError::TickTooShort(10))
+        );
+        assert!(
+            PolicyConfig {
+                tick_ns: 10_000_000,
+                period_ns: 1_000_000
+            }
+            .validate()
+            .is_err()
+        );
+    }
+}

@@ -1,0 +1,99 @@
+//! Boot benchmark: process start to the probe's `PROBE-UP` line, and the
+//! process's RSS at that moment. Usage:
+//!
+//! ```sh
+//! cargo build --release -p corral-api -p corral-tests
+//! target/release/bootbench [RUNS] [VCPUS] [MEMORY_MIB]
+//! ```
+//!
+//! One warm-up run, then RUNS (default 11) measured runs; prints each run and
+//! min / median / max.
+
+use std::io::Read;
+use std::process::{Command, Stdio};
+use std::time::Instant;
+
+fn rss_kib(pid: u32) -> Option<u64> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    s.lines()
+        .find(|l| l.starts_with("VmRSS:"))?
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()
+}
+
+fn one(vcpus: &str, mem: &str) -> (f64, u64) {
+    let t0 = Instant::now();
+    let mut child = Command::new(corral_tests::corral_bin())
+        .args([
+            "run",
+            "--vcpus",
+            vcpus,
+            "--memory",
+            mem,
+            "--cmdline",
+            "probe.mode=spin probe.secs=2",
+        ])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("spawn corral");
+    let mut out = child.stdout.take().expect("stdout");
+    let mut buf = Vec::new();
+    let mut b = [0u8; 256];
+    let ms = loop {
+        let n = out.read(&mut b).expect("read");
+        assert!(n > 0, "corral exited before PROBE-UP");
+        buf.extend_from_slice(&b[..n]);
+        if buf.windows(8).any(|w| w == b"PROBE-UP") {
+            break t0.elapsed().as_secs_f64() * 1e3;
+        }
+    };
+    let rss = rss_kib(child.id()).unwrap_or(0);
+    let _ = child.kill();
+    let _ = child.wait();
+    (ms, rss)
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let runs: usize = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(11);
+    let vcpus = args.get(2).map(String::as_str).unwrap_or("1");
+    let mem = args.get(3).map(String::as_str).unwrap_or("128");
+    println!(
+        "boot: {} vCPU, {} MiB, {} runs after 1 warm-up",
+        vcpus, mem, runs
+    );
+    one(vcpus, mem);
+    let mut t = Vec::new();
+    let mut r = Vec::new();
+    for i in 0..runs {
+        let (ms, rss) = one(vcpus, mem);
+        println!(
+            "run {:2}: {:6.2} ms to PROBE-UP, RSS {:5} KiB",
+            i + 1,
+            ms,
+            rss
+        );
+        t.push(ms);
+        r.push(rss);
+    }
+    t.sort_by(|a, b| a.total_cmp(b));
+    r.sort();
+    let med = |v: &[f64]| v[v.len() / 2];
+    println!(
+        "time to PROBE-UP: min {:.2} ms, median {:.2} ms, max {:.2} ms",
+        t[0],
+        med(&t),
+        t[t.len() - 1]
+    );
+    println!(
+        "RSS at PROBE-UP:  min {} KiB, median {} KiB ({:.2} MiB), max {} KiB",
+        r[0],
+        r[r.len() / 2],
+        r[r.len() / 2] as f64 / 1024.0,
+        r[r.len() - 1]
+    );
+}
