@@ -423,16 +423,6 @@ pub fn start(cfg: &VmConfig) -> Result<VmHandle, VmError> {
     vcpu::install_kick_handler().map_err(io_err("installing the vCPU kick signal handler"))?;
 
     let vm = kvm.create_vm().map_err(kvm_err("KVM_CREATE_VM"))?;
-    vm.set_tss_address(0xfffb_d000)
-        .map_err(kvm_err("KVM_SET_TSS_ADDR"))?;
-    vm.create_irq_chip()
-        .map_err(kvm_err("KVM_CREATE_IRQCHIP"))?;
-    vm.create_pit2(kvm_pit_config {
-        flags: KVM_PIT_SPEAKER_DUMMY,
-        ..Default::default()
-    })
-    .map_err(kvm_err("KVM_CREATE_PIT2"))?;
-
     // Guest memory.
     let mem_bytes = cfg.memory_mib << 20;
     let ranges: Vec<(GuestAddress, usize)> = layout::ram_ranges(mem_bytes)
@@ -454,27 +444,26 @@ pub fn start(cfg: &VmConfig) -> Result<VmHandle, VmError> {
             userspace_addr: host as u64,
         });
     }
+    for r in regions {
+        // SAFETY: the region is a live mapping owned by `mem`, which the
+        // returned VmHandle keeps alive for as long as the VM fd exists (on
+        // error both are dropped, the VM fd first).
+        unsafe { vm.set_user_memory_region(r) }.map_err(kvm_err("KVM_SET_USER_MEMORY_REGION"))?;
+    }
+    // The in-kernel irqchip comes after the memory slots: once it exists,
+    // every slot change waits for an SRCU grace period (measured 4-8 ms on
+    // nested KVM, against 0.05 ms before it).
+    vm.set_tss_address(0xfffb_d000)
+        .map_err(kvm_err("KVM_SET_TSS_ADDR"))?;
+    vm.create_irq_chip()
+        .map_err(kvm_err("KVM_CREATE_IRQCHIP"))?;
+    vm.create_pit2(kvm_pit_config {
+        flags: KVM_PIT_SPEAKER_DUMMY,
+        ..Default::default()
+    })
+    .map_err(kvm_err("KVM_CREATE_PIT2"))?;
+
     let vm = Arc::new(vm);
-    // Registering the first memory slot costs milliseconds on some hosts
-    // (nested KVM): do it beside the rest of the set-up, which does not need
-    // it, and wait for it before any vCPU runs.
-    let slots = {
-        let vm = vm.clone();
-        std::thread::Builder::new()
-            .name("memslots".into())
-            .spawn(move || -> Result<(), VmError> {
-                for r in regions {
-                    // SAFETY: the region is a live mapping owned by `mem`,
-                    // which the returned VmHandle keeps alive for as long as
-                    // the VM fd exists (and on error both are dropped together,
-                    // VM fd first).
-                    unsafe { vm.set_user_memory_region(r) }
-                        .map_err(kvm_err("KVM_SET_USER_MEMORY_REGION"))?;
-                }
-                Ok(())
-            })
-            .map_err(io_err("spawning a thread"))?
-    };
 
     // Boot payload.
     let loaded = match &cfg.kernel {
@@ -572,9 +561,6 @@ pub fn start(cfg: &VmConfig) -> Result<VmHandle, VmError> {
         vcpus.push(v);
     }
 
-    slots
-        .join()
-        .map_err(|_| VmError::Memory("memory registration thread panicked".into()))??;
     let mut threads = Vec::new();
     let (tid_tx, tid_rx) = std::sync::mpsc::channel();
     for (i, v) in vcpus.into_iter().enumerate() {
