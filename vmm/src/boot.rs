@@ -43,7 +43,7 @@ const GDT: [u64; 5] = [
 ];
 
 fn segment_from_gdt(entry: u64, selector: u16) -> kvm_segment {
-    let base = (((entry >> 16) & 0xff_ffff) | (((entry >> 56) & 0xff) << 24)) as u64;
+    let base = ((entry >> 16) & 0xff_ffff) | (((entry >> 56) & 0xff) << 24);
     let limit = ((entry & 0xffff) | (((entry >> 48) & 0xf) << 16)) as u32;
     let g = ((entry >> 55) & 1) as u8;
     kvm_segment {
@@ -193,7 +193,7 @@ mod tests {
         let ds = segment_from_gdt(GDT[3], BOOT_DS);
         assert_eq!((ds.l, ds.db, ds.type_), (0, 1, 0x3));
         let tss = segment_from_gdt(GDT[4], BOOT_TSS);
-        assert_eq!((tss.s, tss.type_, tss.g), (0, 0xb, 0));
+        assert_eq!((tss.s, tss.type_, tss.present), (0, 0xb, 1));
     }
 
     #[test]

@@ -22,13 +22,11 @@ pub fn fixup(cpuid: &mut CpuId, index: u8, count: u8, tsc_khz: Option<u32>) {
                     e.edx |= 1 << 28; // HTT: the count field is valid
                 }
             }
-            0x4 => {
-                // Deterministic cache parameters: cores per package - 1 in EAX[31:26].
-                if e.eax & 0x1f != 0 {
-                    e.eax = (e.eax & 0x03ff_ffff) | ((count - 1).min(63) << 26);
-                    // Each cache shared by one logical CPU.
-                    e.eax &= !(0xfff << 14);
-                }
+            0x4 if e.eax & 0x1f != 0 => {
+                // Deterministic cache parameters: cores per package - 1 in
+                // EAX[31:26]; each cache shared by one logical CPU.
+                e.eax = (e.eax & 0x03ff_ffff) | ((count - 1).min(63) << 26);
+                e.eax &= !(0xfff << 14);
             }
             0x6 => {
                 // No power management to the guest.

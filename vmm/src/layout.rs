@@ -72,6 +72,6 @@ mod tests {
         // Nothing overlaps the fixed low structures' order.
         const { assert!(GDT_ADDR < IDT_ADDR && IDT_ADDR < BOOT_PARAMS_ADDR) };
         const { assert!(PD_ADDR + 4 * 0x1000 <= CMDLINE_ADDR) };
-        const { assert!(CMDLINE_ADDR + CMDLINE_MAX as u64 + 1 <= EBDA_START) };
+        const { assert!(CMDLINE_ADDR + (CMDLINE_MAX as u64) < EBDA_START) };
     }
 }

@@ -571,6 +571,7 @@ pub fn start(cfg: &VmConfig) -> Result<VmHandle, VmError> {
             .spawn(move || {
                 // SAFETY: gettid has no preconditions.
                 let _ = tx.send((i, unsafe { libc::gettid() }));
+                drop(tx);
                 vcpu::run(v, i as u8, sh)
             });
         match t {
@@ -592,8 +593,13 @@ pub fn start(cfg: &VmConfig) -> Result<VmHandle, VmError> {
     }
     drop(tid_tx);
     let mut vcpu_tids = vec![0; cfg.vcpus.into()];
-    for (i, tid) in tid_rx.iter() {
-        vcpu_tids[i] = tid;
+    // Each vCPU thread sends its tid once, first thing (it keeps its sender
+    // for its whole life, so read exactly one message per thread).
+    for _ in 0..cfg.vcpus {
+        match tid_rx.recv() {
+            Ok((i, tid)) => vcpu_tids[i] = tid,
+            Err(_) => break,
+        }
     }
 
     // Device thread: host stdin to the serial port, wake-ups.
