@@ -2,10 +2,12 @@
 //! lifecycle), and later the manager of many.
 
 pub mod boot;
+pub mod cgroup;
 pub mod cpuid;
 mod devthread;
 pub mod layout;
 pub mod loader;
+pub mod manager;
 pub mod mptable;
 pub mod vcpu;
 pub mod vm;

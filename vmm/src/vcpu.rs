@@ -5,6 +5,7 @@ use std::cell::Cell;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use corral_scheduler::gate::WaitOutcome;
 use kvm_ioctls::{VcpuExit, VcpuFd};
 
 use crate::vm::{ExitReason, Shared};
@@ -124,6 +125,20 @@ pub(crate) fn run(mut vcpu: VcpuFd, index: u8, shared: Arc<Shared>) {
     loop {
         if shared.is_stopping() {
             break;
+        }
+        // Parked by the scheduler or paused by the host: wait on the gate
+        // (no spinning). A park kicks us out of KVM_RUN first.
+        let mut parked = false;
+        for gate in shared.gates() {
+            if gate.is_parked() {
+                parked = true;
+                if gate.wait_while_parked() == WaitOutcome::Shutdown {
+                    break;
+                }
+            }
+        }
+        if parked {
+            continue;
         }
         let exit = vcpu.run();
         match exit {

@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 
 use corral_devices::bus::lock;
 use corral_devices::{Bus, ConsoleLog, I8042, SerialDevice};
+use corral_scheduler::gate::Gate;
 use kvm_bindings::{
     KVM_MAX_CPUID_ENTRIES, KVM_PIT_SPEAKER_DUMMY, kvm_pit_config, kvm_userspace_memory_region,
 };
@@ -53,6 +54,8 @@ pub struct VmConfig {
     pub console_stdin: bool,
     /// Bytes of console output kept in memory.
     pub console_log_bytes: usize,
+    /// The scheduler's gate for this VM (the `gate` CPU backend), if any.
+    pub sched_gate: Option<Arc<Gate>>,
 }
 
 impl VmConfig {
@@ -68,6 +71,7 @@ impl VmConfig {
             console_stdout: false,
             console_stdin: false,
             console_log_bytes: 256 * 1024,
+            sched_gate: None,
         }
     }
 }
@@ -246,9 +250,18 @@ pub(crate) struct Shared {
     vcpu_pthreads: Mutex<Vec<libc::pthread_t>>,
     /// Wakes the device thread.
     wake: EventFd,
+    /// Host pause/resume.
+    pause_gate: Arc<Gate>,
+    /// The scheduler's gate, if the VM is scheduled by the gate backend.
+    sched_gate: Option<Arc<Gate>>,
 }
 
 impl Shared {
+    /// The gates a vCPU must pass before running.
+    pub(crate) fn gates(&self) -> impl Iterator<Item = &Arc<Gate>> {
+        std::iter::once(&self.pause_gate).chain(self.sched_gate.iter())
+    }
+
     pub(crate) fn is_stopping(&self) -> bool {
         self.stopping.load(Ordering::Acquire)
     }
@@ -263,6 +276,9 @@ impl Shared {
             }
         }
         self.stopping.store(true, Ordering::Release);
+        for g in self.gates() {
+            g.shutdown();
+        }
         self.kick_all();
         let _ = self.wake.write(1);
         self.exit_cond.notify_all();
@@ -319,6 +335,27 @@ impl VmHandle {
     /// Why the VM stopped, if it did.
     pub fn exit_reason(&self) -> Option<ExitReason> {
         lock(&self.shared.exit).clone()
+    }
+
+    /// Pauses the guest: its vCPUs leave `KVM_RUN` and wait. Returns
+    /// whether the VM was running (false if already paused).
+    pub fn pause(&self) -> bool {
+        self.shared.pause_gate.park()
+    }
+
+    /// Resumes a paused guest. Returns whether it was paused.
+    pub fn resume(&self) -> bool {
+        self.shared.pause_gate.unpark()
+    }
+
+    /// Whether the host paused the guest.
+    pub fn is_paused(&self) -> bool {
+        self.shared.pause_gate.is_parked()
+    }
+
+    /// pthread ids of the vCPU threads (for CPU clocks); empty once joined.
+    pub fn vcpu_pthreads(&self) -> Vec<libc::pthread_t> {
+        lock(&self.shared.vcpu_pthreads).clone()
     }
 
     /// Asks the VM to stop; returns at once.
@@ -535,8 +572,18 @@ pub fn start(cfg: &VmConfig) -> Result<VmHandle, VmError> {
         exit_cond: Condvar::new(),
         vcpu_pthreads: Mutex::new(Vec::new()),
         wake,
+        pause_gate: Arc::new(Gate::new()),
+        sched_gate: cfg.sched_gate.clone(),
     });
     *lock(&shared_slot) = Some(Arc::downgrade(&shared));
+    for g in shared.gates() {
+        let w = Arc::downgrade(&shared);
+        g.set_kick(move || {
+            if let Some(s) = w.upgrade() {
+                s.kick_all();
+            }
+        });
+    }
 
     // vCPUs.
     let supported = kvm

@@ -1,0 +1,1133 @@
+//! The multi-VM manager: the one object the daemon's control plane talks to.
+//!
+//! A [`Manager`] hosts many VMs (each a [`VmHandle`] with its own threads),
+//! keeps the resource classes and VM placement in a
+//! [`corral_scheduler::Scheduler`] (whose model does validation and admission
+//! control for classes), and answers snapshots for the REST API and metrics.
+//!
+//! It is synchronous and thread-safe: every method takes `&self`. Methods
+//! that start or stop VMs ([`Manager::create_vm`], [`Manager::delete_vm`],
+//! [`Manager::shutdown`]) block for milliseconds; async callers run them on a
+//! blocking pool. Locks are never held while a VM starts or stops.
+//!
+//! Lock order: the manager's state, then the scheduler. The scheduler thread
+//! (which ticks [`Manager::scheduler`]) must not take the manager's state
+//! lock while holding the scheduler's; it gets its inputs from
+//! [`Manager::sched_vms`] first.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, SystemTime};
+
+use corral_devices::ConsoleLog;
+use corral_scheduler::model::ErrorKind as ModelErrorKind;
+use corral_scheduler::{
+    Capacity, ClassSpec, ModelError, PolicyConfig, Scheduler, Stats, VmId, VmSpec,
+};
+
+use crate::vm::{ExitReason, KernelSource, VmConfig, VmError, VmHandle};
+
+/// Default kernel command line when a kernel file is given without one.
+pub const DEFAULT_LINUX_CMDLINE: &str = "console=ttyS0 reboot=k panic=-1";
+/// Longest VM, disk or group name, in bytes.
+pub const MAX_NAME_LEN: usize = 64;
+/// Most disks per VM.
+pub const MAX_DISKS: usize = 16;
+/// Most vCPUs per VM accepted by the manager (KVM may allow fewer).
+pub const MAX_VM_VCPUS: u32 = 254;
+
+/// What kind of failure an error is; the API maps it to an HTTP status.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorKind {
+    /// Bad input (400).
+    Invalid,
+    /// Unknown VM, class or disk (404).
+    NotFound,
+    /// Conflicts with the current state: duplicate name, class in use (409).
+    Conflict,
+    /// Refused by admission control or resource limits (422).
+    Refused,
+    /// Valid, but this build of corral cannot do it yet (422).
+    Unsupported,
+    /// The host failed (500).
+    Internal,
+}
+
+/// Errors of the manager.
+#[derive(Debug, thiserror::Error)]
+pub enum ManagerError {
+    /// Bad input.
+    #[error("{0}")]
+    Invalid(String),
+    /// Something named does not exist.
+    #[error("{0}")]
+    NotFound(String),
+    /// Conflicts with the current state.
+    #[error("{0}")]
+    Conflict(String),
+    /// Refused by admission control or a resource limit.
+    #[error("{0}")]
+    Refused(String),
+    /// Not supported by this build yet.
+    #[error("{0}")]
+    Unsupported(String),
+    /// The scheduler model refused.
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    /// The VM could not be started.
+    #[error(transparent)]
+    Vm(#[from] VmError),
+    /// The manager is shutting down.
+    #[error("the daemon is shutting down")]
+    ShuttingDown,
+}
+
+impl ManagerError {
+    /// The kind, for the HTTP status.
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            Self::Invalid(_) => ErrorKind::Invalid,
+            Self::NotFound(_) => ErrorKind::NotFound,
+            Self::Conflict(_) => ErrorKind::Conflict,
+            Self::Refused(_) => ErrorKind::Refused,
+            Self::Unsupported(_) => ErrorKind::Unsupported,
+            Self::ShuttingDown => ErrorKind::Conflict,
+            Self::Model(m) => match m.kind() {
+                ModelErrorKind::Invalid => ErrorKind::Invalid,
+                ModelErrorKind::NotFound => ErrorKind::NotFound,
+                ModelErrorKind::Conflict => ErrorKind::Conflict,
+                ModelErrorKind::Refused => ErrorKind::Refused,
+            },
+            Self::Vm(v) => match v {
+                VmError::Config(_) | VmError::Load(_) => ErrorKind::Invalid,
+                VmError::Memory(_) => ErrorKind::Refused,
+                VmError::Kvm { .. }
+                | VmError::Boot(_)
+                | VmError::MpTable(_)
+                | VmError::Io { .. } => ErrorKind::Internal,
+            },
+        }
+    }
+}
+
+/// Throttle limits of a disk or an I/O group. `None` (or 0) = no limit.
+/// Same meaning as `corral_blkthrottle::Limits`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct IoLimits {
+    /// Total bytes per second.
+    pub bps: Option<u64>,
+    /// Total operations per second.
+    pub iops: Option<u64>,
+    /// Read bytes per second.
+    pub rbps: Option<u64>,
+    /// Write bytes per second.
+    pub wbps: Option<u64>,
+    /// Read operations per second.
+    pub riops: Option<u64>,
+    /// Write operations per second.
+    pub wiops: Option<u64>,
+    /// Bucket size of the byte buckets.
+    pub burst_bytes: Option<u64>,
+    /// Bucket size of the op buckets.
+    pub burst_ops: Option<u64>,
+}
+
+impl IoLimits {
+    /// Checks that every burst belongs to a rate of its unit.
+    pub fn validate(&self) -> Result<(), ManagerError> {
+        let nz = |v: Option<u64>| v.is_some_and(|x| x != 0);
+        let bytes = nz(self.bps) || nz(self.rbps) || nz(self.wbps);
+        let ops = nz(self.iops) || nz(self.riops) || nz(self.wiops);
+        if nz(self.burst_bytes) && !bytes {
+            return Err(ManagerError::Invalid(
+                "burst_bytes is set but none of bps, rbps, wbps is".into(),
+            ));
+        }
+        if nz(self.burst_ops) && !ops {
+            return Err(ManagerError::Invalid(
+                "burst_ops is set but none of iops, riops, wiops is".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// True if no rate is limited.
+    pub fn is_unlimited(&self) -> bool {
+        [
+            self.bps, self.iops, self.rbps, self.wbps, self.riops, self.wiops,
+        ]
+        .iter()
+        .all(|v| v.unwrap_or(0) == 0)
+    }
+}
+
+/// A class as the operator configures it: CPU settings plus the I/O limits
+/// of the class's throttle group (shared by all disks of its VMs).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ClassConfig {
+    /// CPU shares, cap, reservation.
+    pub cpu: ClassSpec,
+    /// Limits of the class's I/O group.
+    pub io: IoLimits,
+}
+
+/// One disk of a VM, as requested.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DiskConfig {
+    /// Name within the VM (`disk0`, `disk1`, ... when not given).
+    pub id: String,
+    /// Backing file or block device.
+    pub path: PathBuf,
+    /// Read-only.
+    pub readonly: bool,
+    /// O_DIRECT.
+    pub direct: bool,
+    /// The disk's own limits.
+    pub limits: IoLimits,
+    /// A named throttle group shared with other disks.
+    pub group: Option<String>,
+}
+
+/// A VM as requested.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VmRequest {
+    /// Unique name; assigned (`vm-N`) when `None`.
+    pub name: Option<String>,
+    /// Class name.
+    pub class: String,
+    /// Weight inside the class (1..=10000).
+    pub weight: u32,
+    /// vCPUs.
+    pub vcpus: u32,
+    /// Guest RAM in MiB.
+    pub memory_mib: u64,
+    /// Kernel file; `None` = the built-in probe guest.
+    pub kernel: Option<PathBuf>,
+    /// Initial ramdisk.
+    pub initrd: Option<PathBuf>,
+    /// Kernel command line; default depends on the kernel.
+    pub cmdline: Option<String>,
+    /// Disks.
+    pub disks: Vec<DiskConfig>,
+}
+
+impl Default for VmRequest {
+    fn default() -> Self {
+        Self {
+            name: None,
+            class: "default".into(),
+            weight: corral_scheduler::model::DEFAULT_WEIGHT,
+            vcpus: 1,
+            memory_mib: 128,
+            kernel: None,
+            initrd: None,
+            cmdline: None,
+            disks: Vec::new(),
+        }
+    }
+}
+
+/// Settings of the manager.
+#[derive(Debug, Clone)]
+pub struct ManagerConfig {
+    /// CPU capacity; `None` = the process's CPU affinity.
+    pub capacity: Option<Capacity>,
+    /// Scheduler tick and period.
+    pub policy: PolicyConfig,
+    /// Most VMs at once.
+    pub max_vms: usize,
+    /// Most vCPUs over all VMs.
+    pub max_total_vcpus: u32,
+    /// Most guest memory over all VMs, MiB; `None` = host memory.
+    pub memory_budget_mib: Option<u64>,
+    /// The built-in guest image used when a VM names no kernel.
+    pub builtin_kernel: Option<Arc<[u8]>>,
+    /// Classes created at start (e.g. `default`).
+    pub initial_classes: Vec<(String, ClassConfig)>,
+    /// Console bytes kept per VM.
+    pub console_log_bytes: usize,
+}
+
+impl Default for ManagerConfig {
+    fn default() -> Self {
+        Self {
+            capacity: None,
+            policy: PolicyConfig::default(),
+            max_vms: 256,
+            max_total_vcpus: 1024,
+            memory_budget_mib: None,
+            builtin_kernel: None,
+            initial_classes: vec![("default".into(), ClassConfig::default())],
+            console_log_bytes: 256 * 1024,
+        }
+    }
+}
+
+/// Lifecycle state of a VM.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum VmState {
+    /// vCPUs running (or runnable).
+    Running,
+    /// Paused by the operator.
+    Paused,
+    /// The guest shut itself down.
+    Shutdown,
+    /// Stopped by the host.
+    Stopped,
+    /// A fatal guest or VMM error stopped it.
+    Failed,
+}
+
+impl VmState {
+    /// Lower-case name, as the API shows it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Running => "running",
+            Self::Paused => "paused",
+            Self::Shutdown => "shutdown",
+            Self::Stopped => "stopped",
+            Self::Failed => "failed",
+        }
+    }
+}
+
+/// Scheduler figures of one VM (present once the scheduler thread ticks).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SchedFigures {
+    /// Entitlement, percent of one CPU.
+    pub entitlement_pct: f64,
+    /// Use, percent of one CPU, averaged over about one period.
+    pub used_pct: f64,
+    /// Currently parked.
+    pub parked: bool,
+    /// Total time parked.
+    pub parked_secs: f64,
+    /// Times parked.
+    pub park_count: u64,
+}
+
+/// A disk as the manager holds it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DiskInfo {
+    /// The configuration (limits are the current ones).
+    pub config: DiskConfig,
+}
+
+/// Snapshot of one VM.
+#[derive(Debug, Clone)]
+pub struct VmInfo {
+    /// Name (the API's id).
+    pub name: String,
+    /// Numeric id (the scheduler's).
+    pub id: u64,
+    /// State.
+    pub state: VmState,
+    /// Exit reason when stopped.
+    pub exit: Option<ExitReason>,
+    /// Class.
+    pub class: String,
+    /// Weight in the class.
+    pub weight: u32,
+    /// vCPUs.
+    pub vcpus: u32,
+    /// Memory, MiB.
+    pub memory_mib: u64,
+    /// Kernel file (`None` = built-in probe).
+    pub kernel: Option<PathBuf>,
+    /// Initrd.
+    pub initrd: Option<PathBuf>,
+    /// Command line in use.
+    pub cmdline: String,
+    /// Disks.
+    pub disks: Vec<DiskInfo>,
+    /// Creation time.
+    pub created: SystemTime,
+    /// Time since start while running; `None` once stopped.
+    pub uptime: Option<Duration>,
+    /// CPU time of all its vCPU threads.
+    pub cpu_secs: f64,
+    /// vCPU exits by reason, summed over vCPUs.
+    pub exits: Vec<(&'static str, u64)>,
+    /// Scheduler figures, when the scheduler runs.
+    pub sched: Option<SchedFigures>,
+}
+
+/// Snapshot of one class.
+#[derive(Debug, Clone)]
+pub struct ClassInfo {
+    /// Name.
+    pub name: String,
+    /// Configuration.
+    pub config: ClassConfig,
+    /// VMs in it.
+    pub vms: Vec<String>,
+    /// CPU time of its current VMs.
+    pub cpu_secs: f64,
+    /// Entitlement and use (percent of one CPU) when the scheduler runs.
+    pub entitlement_pct: Option<f64>,
+    /// Use, percent of one CPU, when the scheduler runs.
+    pub used_pct: Option<f64>,
+}
+
+/// Host-wide figures.
+#[derive(Debug, Clone)]
+pub struct HostInfo {
+    /// CPU capacity, percent of one CPU.
+    pub capacity_pct: u64,
+    /// Sum of reservations.
+    pub reserved_pct: u64,
+    /// VMs hosted (any state).
+    pub vms: usize,
+    /// VMs running.
+    pub running_vms: usize,
+    /// Most VMs.
+    pub max_vms: usize,
+    /// Guest memory in use, MiB.
+    pub memory_mib: u64,
+    /// Guest memory budget, MiB.
+    pub memory_budget_mib: u64,
+    /// vCPUs in use.
+    pub vcpus: u32,
+    /// Scheduler ticks so far (0 = no scheduler thread running).
+    pub sched_ticks: u64,
+}
+
+/// What the scheduler thread needs of one VM.
+#[derive(Debug, Clone)]
+pub struct SchedVm {
+    /// Scheduler id.
+    pub id: VmId,
+    /// Name.
+    pub name: String,
+    /// Class.
+    pub class: String,
+    /// Weight.
+    pub weight: u32,
+    /// Linux thread ids of the vCPU threads.
+    pub vcpu_tids: Vec<libc::pid_t>,
+    /// Whether its vCPU threads still run.
+    pub running: bool,
+}
+
+/// One hosted VM.
+struct Entry {
+    id: VmId,
+    name: String,
+    request: VmRequest,
+    cmdline: String,
+    handle: VmHandle,
+    created: SystemTime,
+    class: Mutex<String>,
+    weight: AtomicU32,
+    disks: Mutex<Vec<DiskInfo>>,
+    /// Last CPU time read per vCPU thread (kept once the thread is gone).
+    cpu_ns: Mutex<Vec<u64>>,
+}
+
+impl Entry {
+    fn state(&self) -> (VmState, Option<ExitReason>) {
+        match self.handle.exit_reason() {
+            None => (VmState::Running, None),
+            Some(r) => {
+                let s = match r {
+                    ExitReason::GuestShutdown => VmState::Shutdown,
+                    ExitReason::Stopped => VmState::Stopped,
+                    ExitReason::Fatal { .. } => VmState::Failed,
+                };
+                (s, Some(r))
+            }
+        }
+    }
+
+    /// CPU time of the vCPU threads, in ns.
+    fn cpu_ns(&self, running: bool) -> u64 {
+        let mut cache = lock(&self.cpu_ns);
+        if running {
+            for (i, tid) in self.handle.vcpu_tids().iter().enumerate() {
+                if let (Some(ns), Some(slot)) = (thread_cpu_ns(*tid), cache.get_mut(i)) {
+                    *slot = (*slot).max(ns);
+                }
+            }
+        }
+        cache.iter().sum()
+    }
+}
+
+#[derive(Default)]
+struct State {
+    vms: BTreeMap<String, Arc<Entry>>,
+    /// Names of VMs being started (reserved).
+    starting: BTreeMap<String, (VmId, u32, u64)>,
+    class_io: BTreeMap<String, IoLimits>,
+    next_id: u64,
+    shutting_down: bool,
+}
+
+/// The multi-VM manager. See the [module docs](self).
+pub struct Manager {
+    state: Mutex<State>,
+    sched: Arc<Mutex<Scheduler>>,
+    cfg: ManagerConfig,
+    memory_budget_mib: u64,
+}
+
+impl std::fmt::Debug for Manager {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Manager").finish_non_exhaustive()
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// CPU time of a thread of this process (by Linux tid), in ns; `None` if it
+/// is gone.
+pub fn thread_cpu_ns(tid: libc::pid_t) -> Option<u64> {
+    // MAKE_THREAD_CPUCLOCK(tid, CPUCLOCK_SCHED): (~tid << 3) | PERTHREAD(4) | SCHED(2).
+    let clock: libc::clockid_t = (!tid).wrapping_shl(3) | 6;
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes into the timespec we own; an invalid
+    // clock id (thread gone) is reported as an error.
+    let r = unsafe { libc::clock_gettime(clock, &mut ts) };
+    (r == 0).then(|| ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64)
+}
+
+/// Checks a VM, disk or group name: 1..=64 bytes of ASCII letters, digits,
+/// `_`, `-`, `.`, not starting with `.` or `-`.
+pub fn validate_name(what: &str, name: &str) -> Result<(), ManagerError> {
+    let bad = |why: &str| {
+        Err(ManagerError::Invalid(format!(
+            "invalid {what} {name:?}: {why}"
+        )))
+    };
+    if name.is_empty() {
+        return bad("must not be empty");
+    }
+    if name.len() > MAX_NAME_LEN {
+        return bad("must be at most 64 bytes long");
+    }
+    if !name
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.'))
+    {
+        return bad("may only contain ASCII letters, digits, '_', '-' and '.'");
+    }
+    if name.starts_with(['.', '-']) {
+        return bad("must not start with '.' or '-'");
+    }
+    Ok(())
+}
+
+/// Whether the VMM can attach virtio-blk disks yet. Flip when `VmConfig`
+/// carries disks.
+const DISKS_SUPPORTED: bool = false;
+
+impl Manager {
+    /// A manager with its initial classes.
+    pub fn new(cfg: ManagerConfig) -> Result<Self, ManagerError> {
+        let capacity = match cfg.capacity {
+            Some(c) => c,
+            None => Capacity::from_affinity().unwrap_or(Capacity::from_cpus(1)),
+        };
+        if capacity.percent() == 0 {
+            return Err(ManagerError::Invalid("capacity must be positive".into()));
+        }
+        let mut sched = Scheduler::new(capacity, cfg.policy)
+            .map_err(|e| ManagerError::Invalid(e.to_string()))?;
+        let mut state = State {
+            next_id: 1,
+            ..Default::default()
+        };
+        for (name, c) in &cfg.initial_classes {
+            c.io.validate()?;
+            sched.create_class(name, c.cpu)?;
+            state.class_io.insert(name.clone(), c.io);
+        }
+        let memory_budget_mib = cfg
+            .memory_budget_mib
+            .or_else(crate::vm::host_memory_mib)
+            .unwrap_or(u64::MAX);
+        Ok(Self {
+            state: Mutex::new(state),
+            sched: Arc::new(Mutex::new(sched)),
+            cfg,
+            memory_budget_mib,
+        })
+    }
+
+    /// The scheduler (model + policy) that the scheduler thread ticks.
+    pub fn scheduler(&self) -> &Arc<Mutex<Scheduler>> {
+        &self.sched
+    }
+
+    fn sched(&self) -> MutexGuard<'_, Scheduler> {
+        lock(&self.sched)
+    }
+
+    /// VMs with what the scheduler thread needs (ids, classes, vCPU tids).
+    pub fn sched_vms(&self) -> Vec<SchedVm> {
+        let st = lock(&self.state);
+        st.vms
+            .values()
+            .map(|e| SchedVm {
+                id: e.id,
+                name: e.name.clone(),
+                class: lock(&e.class).clone(),
+                weight: e.weight.load(Ordering::Relaxed),
+                vcpu_tids: e.handle.vcpu_tids().to_vec(),
+                running: e.handle.exit_reason().is_none(),
+            })
+            .collect()
+    }
+
+    // ---- classes ----
+
+    fn class_info(&self, st: &State, stats: &Stats, name: &str) -> Option<ClassInfo> {
+        let s = self.sched();
+        let spec = *s.model().class(name)?;
+        drop(s);
+        let vms: Vec<Arc<Entry>> = st
+            .vms
+            .values()
+            .filter(|e| *lock(&e.class) == name)
+            .cloned()
+            .collect();
+        let cpu_ns: u64 = vms
+            .iter()
+            .map(|e| e.cpu_ns(e.handle.exit_reason().is_none()))
+            .sum();
+        let cs = (stats.ticks > 0)
+            .then(|| stats.classes.iter().find(|c| c.name == name))
+            .flatten();
+        Some(ClassInfo {
+            name: name.to_string(),
+            config: ClassConfig {
+                cpu: spec,
+                io: st.class_io.get(name).copied().unwrap_or_default(),
+            },
+            vms: vms.iter().map(|e| e.name.clone()).collect(),
+            cpu_secs: cpu_ns as f64 / 1e9,
+            entitlement_pct: cs.map(|c| c.entitlement_pct),
+            used_pct: cs.map(|c| c.used_pct),
+        })
+    }
+
+    /// All classes.
+    pub fn list_classes(&self) -> Vec<ClassInfo> {
+        let st = lock(&self.state);
+        let stats = self.sched().stats();
+        let names: Vec<String> = self
+            .sched()
+            .model()
+            .classes()
+            .map(|(n, _)| n.to_string())
+            .collect();
+        names
+            .iter()
+            .filter_map(|n| self.class_info(&st, &stats, n))
+            .collect()
+    }
+
+    /// One class.
+    pub fn get_class(&self, name: &str) -> Result<ClassInfo, ManagerError> {
+        let st = lock(&self.state);
+        let stats = self.sched().stats();
+        self.class_info(&st, &stats, name)
+            .ok_or_else(|| ManagerError::NotFound(format!("no class named {name:?}")))
+    }
+
+    /// Creates a class; 409 if it exists, 422 if admission control refuses.
+    pub fn create_class(&self, name: &str, cfg: ClassConfig) -> Result<ClassInfo, ManagerError> {
+        cfg.io.validate()?;
+        let mut st = lock(&self.state);
+        self.sched().create_class(name, cfg.cpu)?;
+        st.class_io.insert(name.to_string(), cfg.io);
+        let stats = self.sched().stats();
+        self.class_info(&st, &stats, name)
+            .ok_or_else(|| ManagerError::NotFound(format!("no class named {name:?}")))
+    }
+
+    /// Creates or replaces a class; returns whether it was created.
+    pub fn set_class(
+        &self,
+        name: &str,
+        cfg: ClassConfig,
+    ) -> Result<(bool, ClassInfo), ManagerError> {
+        cfg.io.validate()?;
+        let mut st = lock(&self.state);
+        let created = self.sched().set_class(name, cfg.cpu)?;
+        st.class_io.insert(name.to_string(), cfg.io);
+        let stats = self.sched().stats();
+        let info = self
+            .class_info(&st, &stats, name)
+            .ok_or_else(|| ManagerError::NotFound(format!("no class named {name:?}")))?;
+        Ok((created, info))
+    }
+
+    /// Changes a class with a function of its current configuration.
+    pub fn update_class(
+        &self,
+        name: &str,
+        f: impl FnOnce(&mut ClassConfig),
+    ) -> Result<ClassInfo, ManagerError> {
+        let mut st = lock(&self.state);
+        let cpu = *self
+            .sched()
+            .model()
+            .class(name)
+            .ok_or_else(|| ManagerError::NotFound(format!("no class named {name:?}")))?;
+        let mut cfg = ClassConfig {
+            cpu,
+            io: st.class_io.get(name).copied().unwrap_or_default(),
+        };
+        f(&mut cfg);
+        cfg.io.validate()?;
+        self.sched().update_class(name, cfg.cpu)?;
+        st.class_io.insert(name.to_string(), cfg.io);
+        let stats = self.sched().stats();
+        self.class_info(&st, &stats, name)
+            .ok_or_else(|| ManagerError::NotFound(format!("no class named {name:?}")))
+    }
+
+    /// Deletes an empty class; 409 while VMs are in it.
+    pub fn delete_class(&self, name: &str) -> Result<(), ManagerError> {
+        let mut st = lock(&self.state);
+        // VMs being started are already in the scheduler's model, so a class
+        // they are joining counts as in use.
+        self.sched().delete_class(name)?;
+        st.class_io.remove(name);
+        Ok(())
+    }
+
+    // ---- VMs ----
+
+    fn vm_info(&self, e: &Entry, stats: Option<&Stats>) -> VmInfo {
+        let (state, exit) = e.state();
+        let running = exit.is_none();
+        let mut exits: BTreeMap<&'static str, u64> = BTreeMap::new();
+        for s in e.handle.vcpu_stats() {
+            for (k, v) in s.snapshot() {
+                *exits.entry(k).or_default() += v;
+            }
+        }
+        let sched = stats.filter(|s| s.ticks > 0).and_then(|s| {
+            s.vms.iter().find(|v| v.vm == e.id).map(|v| SchedFigures {
+                entitlement_pct: v.entitlement_pct,
+                used_pct: v.used_pct,
+                parked: v.parked,
+                parked_secs: v.parked_ns as f64 / 1e9,
+                park_count: v.park_count,
+            })
+        });
+        VmInfo {
+            name: e.name.clone(),
+            id: e.id.0,
+            state,
+            exit,
+            class: lock(&e.class).clone(),
+            weight: e.weight.load(Ordering::Relaxed),
+            vcpus: e.request.vcpus,
+            memory_mib: e.request.memory_mib,
+            kernel: e.request.kernel.clone(),
+            initrd: e.request.initrd.clone(),
+            cmdline: e.cmdline.clone(),
+            disks: lock(&e.disks).clone(),
+            created: e.created,
+            uptime: running.then(|| e.handle.uptime()),
+            cpu_secs: e.cpu_ns(running) as f64 / 1e9,
+            exits: exits.into_iter().collect(),
+            sched,
+        }
+    }
+
+    fn entry(&self, name: &str) -> Result<Arc<Entry>, ManagerError> {
+        lock(&self.state)
+            .vms
+            .get(name)
+            .cloned()
+            .ok_or_else(|| ManagerError::NotFound(format!("no VM named {name:?}")))
+    }
+
+    /// All VMs, by name.
+    pub fn list_vms(&self) -> Vec<VmInfo> {
+        let entries: Vec<Arc<Entry>> = lock(&self.state).vms.values().cloned().collect();
+        let stats = self.sched().stats();
+        entries
+            .iter()
+            .map(|e| self.vm_info(e, Some(&stats)))
+            .collect()
+    }
+
+    /// One VM.
+    pub fn get_vm(&self, name: &str) -> Result<VmInfo, ManagerError> {
+        let e = self.entry(name)?;
+        let stats = self.sched().stats();
+        Ok(self.vm_info(&e, Some(&stats)))
+    }
+
+    /// A VM's console log.
+    pub fn console(&self, name: &str) -> Result<Arc<ConsoleLog>, ManagerError> {
+        Ok(self.entry(name)?.handle.console())
+    }
+
+    fn validate_request(&self, req: &mut VmRequest) -> Result<(), ManagerError> {
+        if let Some(n) = &req.name {
+            validate_name("VM name", n)?;
+        }
+        if req.vcpus == 0 || req.vcpus > MAX_VM_VCPUS {
+            return Err(ManagerError::Invalid(format!(
+                "vcpus must be in 1..={MAX_VM_VCPUS}, got {}",
+                req.vcpus
+            )));
+        }
+        if !(corral_scheduler::model::MIN_WEIGHT..=corral_scheduler::model::MAX_WEIGHT)
+            .contains(&req.weight)
+        {
+            return Err(ManagerError::Invalid(format!(
+                "weight must be in 1..=10000, got {}",
+                req.weight
+            )));
+        }
+        if req.memory_mib < crate::layout::MIN_MEMORY_MIB {
+            return Err(ManagerError::Invalid(format!(
+                "{} MiB of memory is too small; the minimum is {} MiB",
+                req.memory_mib,
+                crate::layout::MIN_MEMORY_MIB
+            )));
+        }
+        if req.kernel.is_none() && self.cfg.builtin_kernel.is_none() {
+            return Err(ManagerError::Invalid(
+                "no kernel given and this daemon has no built-in guest".into(),
+            ));
+        }
+        if req.disks.len() > MAX_DISKS {
+            return Err(ManagerError::Invalid(format!(
+                "at most {MAX_DISKS} disks per VM"
+            )));
+        }
+        let mut ids = BTreeSet::new();
+        for (i, d) in req.disks.iter_mut().enumerate() {
+            if d.id.is_empty() {
+                d.id = format!("disk{i}");
+            }
+            validate_name("disk id", &d.id)?;
+            if !ids.insert(d.id.clone()) {
+                return Err(ManagerError::Invalid(format!(
+                    "two disks are named {:?}",
+                    d.id
+                )));
+            }
+            if let Some(g) = &d.group {
+                validate_name("group name", g)?;
+            }
+            d.limits.validate()?;
+            let meta = std::fs::metadata(&d.path).map_err(|e| {
+                ManagerError::Invalid(format!("disk {}: {}: {e}", d.id, d.path.display()))
+            })?;
+            use std::os::unix::fs::FileTypeExt;
+            if !(meta.is_file() || meta.file_type().is_block_device()) {
+                return Err(ManagerError::Invalid(format!(
+                    "disk {}: {} is not a regular file or block device",
+                    d.id,
+                    d.path.display()
+                )));
+            }
+        }
+        if !req.disks.is_empty() && !DISKS_SUPPORTED {
+            return Err(ManagerError::Unsupported(
+                "this build of corral cannot attach virtio-blk disks yet; create the VM without disks"
+                    .into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Creates and starts a VM. Blocks while it starts (milliseconds).
+    pub fn create_vm(&self, mut req: VmRequest) -> Result<VmInfo, ManagerError> {
+        self.validate_request(&mut req)?;
+        // Reserve the name, the id, the resources and the scheduler slot.
+        let (id, name) = {
+            let mut st = lock(&self.state);
+            if st.shutting_down {
+                return Err(ManagerError::ShuttingDown);
+            }
+            let id = VmId(st.next_id);
+            let name = match &req.name {
+                Some(n) => n.clone(),
+                None => {
+                    let mut n = st.next_id;
+                    while st.vms.contains_key(&format!("vm-{n}"))
+                        || st.starting.contains_key(&format!("vm-{n}"))
+                    {
+                        n += 1;
+                    }
+                    format!("vm-{n}")
+                }
+            };
+            if st.vms.contains_key(&name) || st.starting.contains_key(&name) {
+                return Err(ManagerError::Conflict(format!(
+                    "a VM named {name:?} already exists"
+                )));
+            }
+            let count = st.vms.len() + st.starting.len();
+            if count >= self.cfg.max_vms {
+                return Err(ManagerError::Refused(format!(
+                    "this daemon hosts at most {} VMs",
+                    self.cfg.max_vms
+                )));
+            }
+            let (vcpus, mem) = Self::usage(&st);
+            if vcpus + req.vcpus > self.cfg.max_total_vcpus {
+                return Err(ManagerError::Refused(format!(
+                    "{} more vCPUs would exceed the daemon's limit of {} ({} in use)",
+                    req.vcpus, self.cfg.max_total_vcpus, vcpus
+                )));
+            }
+            if mem.saturating_add(req.memory_mib) > self.memory_budget_mib {
+                return Err(ManagerError::Refused(format!(
+                    "{} MiB more guest memory would exceed the budget of {} MiB ({} MiB in use)",
+                    req.memory_mib, self.memory_budget_mib, mem
+                )));
+            }
+            self.sched().add_vm(
+                id,
+                VmSpec::new(req.class.clone(), req.vcpus).with_weight(req.weight),
+            )?;
+            st.next_id += 1;
+            st.starting
+                .insert(name.clone(), (id, req.vcpus, req.memory_mib));
+            (id, name)
+        };
+
+        let result = self.start_vm(&name, &req);
+        let mut st = lock(&self.state);
+        st.starting.remove(&name);
+        match result {
+            Ok((handle, cmdline)) => {
+                let n = usize::from(req.vcpus as u8);
+                let entry = Arc::new(Entry {
+                    id,
+                    name: name.clone(),
+                    cmdline,
+                    handle,
+                    created: SystemTime::now(),
+                    class: Mutex::new(req.class.clone()),
+                    weight: AtomicU32::new(req.weight),
+                    disks: Mutex::new(
+                        req.disks
+                            .iter()
+                            .map(|d| DiskInfo { config: d.clone() })
+                            .collect(),
+                    ),
+                    cpu_ns: Mutex::new(vec![0; n]),
+                    request: req,
+                });
+                st.vms.insert(name, entry.clone());
+                drop(st);
+                let stats = self.sched().stats();
+                Ok(self.vm_info(&entry, Some(&stats)))
+            }
+            Err(e) => {
+                let _ = self.sched().remove_vm(id);
+                Err(e)
+            }
+        }
+    }
+
+    fn usage(st: &State) -> (u32, u64) {
+        let mut vcpus = 0;
+        let mut mem = 0;
+        for e in st.vms.values() {
+            vcpus += e.request.vcpus;
+            mem += e.request.memory_mib;
+        }
+        for (_, v, m) in st.starting.values() {
+            vcpus += v;
+            mem += m;
+        }
+        (vcpus, mem)
+    }
+
+    fn start_vm(&self, name: &str, req: &VmRequest) -> Result<(VmHandle, String), ManagerError> {
+        let (kernel, default_cmdline) = match (&req.kernel, &self.cfg.builtin_kernel) {
+            (Some(p), _) => (KernelSource::Path(p.clone()), DEFAULT_LINUX_CMDLINE),
+            (None, Some(b)) => (KernelSource::Bytes(b.clone()), ""),
+            (None, None) => {
+                return Err(ManagerError::Invalid(
+                    "no kernel given and this daemon has no built-in guest".into(),
+                ));
+            }
+        };
+        let vcpus = u8::try_from(req.vcpus)
+            .map_err(|_| ManagerError::Invalid(format!("too many vCPUs: {}", req.vcpus)))?;
+        let mut cfg = VmConfig::new(name, kernel);
+        cfg.initrd = req.initrd.clone();
+        cfg.cmdline = req
+            .cmdline
+            .clone()
+            .unwrap_or_else(|| default_cmdline.to_string());
+        cfg.vcpus = vcpus;
+        cfg.memory_mib = req.memory_mib;
+        cfg.console_log_bytes = self.cfg.console_log_bytes;
+        let handle = crate::vm::start(&cfg)?;
+        tracing::info!(
+            vm = name,
+            vcpus = req.vcpus,
+            memory_mib = req.memory_mib,
+            "VM started"
+        );
+        Ok((handle, cfg.cmdline))
+    }
+
+    /// Stops a VM, frees it and returns its last snapshot. Blocks until its
+    /// threads are gone.
+    pub fn delete_vm(&self, name: &str) -> Result<VmInfo, ManagerError> {
+        let e = {
+            let mut st = lock(&self.state);
+            let e = st
+                .vms
+                .remove(name)
+                .ok_or_else(|| ManagerError::NotFound(format!("no VM named {name:?}")))?;
+            let _ = self.sched().remove_vm(e.id);
+            e
+        };
+        e.handle.stop();
+        e.handle.join();
+        tracing::info!(vm = name, "VM deleted");
+        Ok(self.vm_info(&e, None))
+    }
+
+    /// Pauses a VM's vCPUs. Needs `VmHandle::pause` in the VMM.
+    pub fn pause_vm(&self, name: &str) -> Result<VmInfo, ManagerError> {
+        let _ = self.entry(name)?;
+        Err(ManagerError::Unsupported(
+            "pausing is not available yet: the VMM has no vCPU pause gate".into(),
+        ))
+    }
+
+    /// Resumes a paused VM. Needs `VmHandle::resume` in the VMM.
+    pub fn resume_vm(&self, name: &str) -> Result<VmInfo, ManagerError> {
+        let _ = self.entry(name)?;
+        Err(ManagerError::Unsupported(
+            "resuming is not available yet: the VMM has no vCPU pause gate".into(),
+        ))
+    }
+
+    /// Moves a VM to another class (live), optionally with a new weight.
+    pub fn move_vm(
+        &self,
+        name: &str,
+        class: &str,
+        weight: Option<u32>,
+    ) -> Result<VmInfo, ManagerError> {
+        let e = {
+            let st = lock(&self.state);
+            let e = st
+                .vms
+                .get(name)
+                .cloned()
+                .ok_or_else(|| ManagerError::NotFound(format!("no VM named {name:?}")))?;
+            let mut s = self.sched();
+            if s.model().class(class).is_none() {
+                return Err(ManagerError::NotFound(format!("no class named {class:?}")));
+            }
+            if let Some(w) = weight {
+                // Validate before changing anything.
+                if !(corral_scheduler::model::MIN_WEIGHT..=corral_scheduler::model::MAX_WEIGHT)
+                    .contains(&w)
+                {
+                    return Err(ManagerError::Invalid(format!(
+                        "weight must be in 1..=10000, got {w}"
+                    )));
+                }
+            }
+            s.move_vm(e.id, class)?;
+            if let Some(w) = weight {
+                s.set_vm_weight(e.id, w)?;
+                e.weight.store(w, Ordering::Relaxed);
+            }
+            *lock(&e.class) = class.to_string();
+            e
+        };
+        tracing::info!(vm = name, class, "VM moved");
+        let stats = self.sched().stats();
+        Ok(self.vm_info(&e, Some(&stats)))
+    }
+
+    /// Changes a disk's limits live.
+    pub fn set_disk_limits(
+        &self,
+        name: &str,
+        disk: &str,
+        limits: IoLimits,
+    ) -> Result<DiskInfo, ManagerError> {
+        limits.validate()?;
+        let e = self.entry(name)?;
+        let mut disks = lock(&e.disks);
+        let d = disks
+            .iter_mut()
+            .find(|d| d.config.id == disk)
+            .ok_or_else(|| ManagerError::NotFound(format!("VM {name:?} has no disk {disk:?}")))?;
+        // When disks are wired, the new limits go to the VM's device thread
+        // here (VmHandle::set_disk_limits); until then no VM has disks.
+        d.config.limits = limits;
+        Ok(d.clone())
+    }
+
+    /// Host-wide figures.
+    pub fn host(&self) -> HostInfo {
+        let st = lock(&self.state);
+        let (vcpus, memory_mib) = Self::usage(&st);
+        let running = st
+            .vms
+            .values()
+            .filter(|e| e.handle.exit_reason().is_none())
+            .count();
+        let vms = st.vms.len();
+        drop(st);
+        let s = self.sched();
+        HostInfo {
+            capacity_pct: s.model().capacity().percent(),
+            reserved_pct: s.model().reserved_percent(),
+            vms,
+            running_vms: running,
+            max_vms: self.cfg.max_vms,
+            memory_mib,
+            memory_budget_mib: self.memory_budget_mib,
+            vcpus,
+            sched_ticks: s.stats().ticks,
+        }
+    }
+
+    /// Stops every VM and refuses new ones. Blocks until all threads are
+    /// gone.
+    pub fn shutdown(&self) {
+        let entries: Vec<Arc<Entry>> = {
+            let mut st = lock(&self.state);
+            st.shutting_down = true;
+            std::mem::take(&mut st.vms).into_values().collect()
+        };
+        for e in &entries {
+            e.handle.stop();
+        }
+        for e in &entries {
+            e.handle.join();
+            let _ = self.sched().remove_vm(e.id);
+        }
+        if !entries.is_empty() {
+            tracing::info!(vms = entries.len(), "all VMs stopped");
+        }
+    }
+}
+
+impl Drop for Manager {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
