@@ -197,6 +197,11 @@ impl Limiter {
         l
     }
 
+    /// Buckets that exist.
+    pub(crate) fn configured(&self) -> u8 {
+        self.configured
+    }
+
     /// Buckets that `req` touches and that exist.
     pub(crate) fn mask(&self, req: &Request) -> u8 {
         touch_mask(req) & self.configured
@@ -208,7 +213,10 @@ impl Limiter {
     /// at which all of them are ready.
     pub(crate) fn ready_at_mask(&mut self, mask: u8, req: &Request, now: Nanos) -> Nanos {
         let mut t = now;
-        for i in bits(mask) {
+        let mut m = mask;
+        while m != 0 {
+            let i = m.trailing_zeros() as usize;
+            m &= m - 1;
             if let Some(b) = &mut self.buckets[i] {
                 t = t.max(b.ready_at(need(i, req), now));
             }
@@ -216,6 +224,7 @@ impl Limiter {
         t
     }
 
+    #[cfg(test)]
     pub(crate) fn ready_at(&mut self, req: &Request, now: Nanos) -> Nanos {
         let m = self.mask(req);
         self.ready_at_mask(m, req, now)
@@ -223,7 +232,15 @@ impl Limiter {
 
     /// Charges `req` to every bucket it touches (after refilling to `now`).
     pub(crate) fn charge(&mut self, req: &Request, now: Nanos) {
-        for i in bits(self.mask(req)) {
+        self.charge_mask(self.mask(req), req, now);
+    }
+
+    /// Charges `req` to the buckets in `mask` (after refilling to `now`).
+    pub(crate) fn charge_mask(&mut self, mask: u8, req: &Request, now: Nanos) {
+        let mut m = mask;
+        while m != 0 {
+            let i = m.trailing_zeros() as usize;
+            m &= m - 1;
             if let Some(b) = &mut self.buckets[i] {
                 b.advance(now);
                 b.charge(need(i, req));

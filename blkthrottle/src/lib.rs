@@ -88,12 +88,15 @@
 //!
 //! # Groups
 //!
-//! See [`ThrottleGroup`]: shared buckets, start-time fair queuing by dominant
-//! cost (bytes under a bytes limit, ops under an ops limit), grants made on
-//! behalf of whichever member is first in line so members polling on their
-//! own timers (one device thread, or several VM threads) never depend on each
-//! other, and wake-up instants that are exact when the member is first in line
-//! and a lower bound otherwise.
+//! See [`ThrottleGroup`]: shared buckets; start-time fair queuing by dominant
+//! cost (bytes under a bytes limit, ops under an ops limit), weighted; grants
+//! made on behalf of whichever member is first in line, so members polling on
+//! their own timers (one device thread, or several VM threads) never depend on
+//! each other's threads; a fairness window that lets a member run ahead of one
+//! that has not yet picked up its grant only by a bounded amount, so members
+//! polling on a coarse tick still split the group fairly *and* use all of its
+//! rate; wake-up instants that are exact when the member is first in line and
+//! a lower bound otherwise.
 //!
 //! # Limits
 //!
@@ -109,7 +112,7 @@ mod limits;
 mod stats;
 mod throttle;
 
-pub use group::{DEFAULT_WEIGHT, ThrottleGroup, Waker};
+pub use group::{DEFAULT_FAIRNESS_WINDOW_NS, DEFAULT_WEIGHT, ThrottleGroup, Waker};
 pub use limits::{Limits, LimitsError};
 pub use stats::{Histogram, LATENCY_BOUNDS_NS, LATENCY_BUCKETS, OpStats, Stats};
 pub use throttle::{Decision, Throttle, WaitCause};

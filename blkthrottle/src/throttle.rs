@@ -160,12 +160,13 @@ impl Throttle {
     /// Call it with the same request until it is admitted, or call
     /// [`Throttle::cancel`] if the request is dropped.
     pub fn poll(&mut self, req: Request, now: Nanos) -> Decision {
-        let own = self.limiter.ready_at(&req, now);
+        let mask = self.limiter.mask(&req);
+        let own = self.limiter.ready_at_mask(mask, &req, now);
         if own > now {
             // Only the disk's own limits can shrink its tokens (a live limit
             // change); do not hold the group's place meanwhile.
             if self.withdraw_from_group() {
-                return self.admit(req, now);
+                return self.admit(mask, req, now);
             }
             self.waiting_since.get_or_insert(now);
             return Decision::Wait {
@@ -174,7 +175,9 @@ impl Throttle {
             };
         }
         if let Some(m) = &mut self.group {
-            match m.group.lock().poll(m.id, req, now) {
+            let (r, wakers) = m.group.lock().poll(m.id, req, now);
+            wake(wakers);
+            match r {
                 Ok(()) => m.registered = false,
                 Err(until) => {
                     m.registered = true;
@@ -186,11 +189,11 @@ impl Throttle {
                 }
             }
         }
-        self.admit(req, now)
+        self.admit(mask, req, now)
     }
 
-    fn admit(&mut self, req: Request, now: Nanos) -> Decision {
-        self.limiter.charge(&req, now);
+    fn admit(&mut self, mask: u8, req: Request, now: Nanos) -> Decision {
+        self.limiter.charge_mask(mask, &req, now);
         self.stats.admitted(
             req.kind,
             req.charged_bytes(),

@@ -19,7 +19,7 @@ fn ops_limits(rate: u64, burst: Option<u64>) -> Limits {
 fn exact_polling_is_exact() {
     for rate in [1, 3, 7, 10, 17, 18, 333, 1000, 65_537, 1_000_000] {
         for burst in [1, 2, 5] {
-            let t_end = if rate > 100_000 { S / 10 } else { 10 * S };
+            let t_end = if rate > 100_000 { S / 2 } else { 10 * S };
             let l = ops_limits(rate, Some(burst));
             let (ops, _) = backlogged(&l, Request::read(512), 1, 0, t_end);
             // admissions at t=0 are outside (0, T]: the first `burst` ones
@@ -73,17 +73,18 @@ fn ops_rates_within_half_percent() {
     }
 }
 
+/// 10⁷ admissions: the costliest test in debug builds, so only the coarse
+/// timer here; exact polling at 10⁶/s is `exact_polling_is_exact` (exact to
+/// the op, so no longer window is needed).
 #[test]
-fn million_ops_per_second() {
-    for grid in [1, MS] {
-        check(
-            &ops_limits(1_000_000, Some(100_000)),
-            Request::other(),
-            grid,
-            1_000_000,
-            false,
-        );
-    }
+fn million_ops_per_second_1ms_polling() {
+    check(
+        &ops_limits(1_000_000, Some(100_000)),
+        Request::other(),
+        MS,
+        1_000_000,
+        false,
+    );
 }
 
 #[test]
