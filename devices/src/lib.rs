@@ -4,10 +4,12 @@
 //! Every access comes from a guest and is untrusted: offsets and sizes are
 //! checked, unknown accesses are counted and answered like floating hardware.
 
+pub mod acpi_pm;
 pub mod bus;
 pub mod console;
 pub mod i8042;
 pub mod serial;
+pub mod virtio;
 
 pub use bus::{Bus, BusDevice, BusError, BusStats};
 pub use console::ConsoleLog;

@@ -17,11 +17,12 @@
 //!
 //! # Cost
 //!
-//! A tick is `O(n)` for `n` VMs, plus `O(n log n)` when the set of runnable
-//! vCPUs changed and entitlements must be recomputed (water-filling sorts
+//! A tick is `O(n log n)` for `n` VMs: one sort to rank the VMs that want
+//! CPU, plus the water-filling when some demand changed (it sorts
 //! breakpoints; a linear fast path handles the common case where no VM in a
-//! class is limited by its vCPU count). All buffers are reused: a tick does
-//! not allocate once the model is stable.
+//! class is limited by its demand). All buffers are reused: a tick does not
+//! allocate once the model is stable. Model changes resynchronise in
+//! `O(n log n)` with allocation.
 
 use std::collections::{BTreeMap, HashMap};
 use std::hash::{BuildHasherDefault, Hasher};
@@ -51,6 +52,9 @@ impl Default for PolicyConfig {
         }
     }
 }
+
+/// How much of the learnt idle margin is added to the admission target.
+const MARGIN_GAIN: f64 = 2.0;
 
 /// Shortest tick accepted by [`PolicyConfig::validate`].
 pub const MIN_TICK_NS: u64 = 100_000;
@@ -307,6 +311,14 @@ struct VmState {
     used_ns: u64,
     runnable: u32,
     prev_runnable: u32,
+    /// Estimated demand for the next tick, percent.
+    demand: f64,
+    prev_demand: f64,
+    /// Last usage-based estimate (0 = none yet).
+    last_est: f64,
+    /// Unparked by the previous tick (its last usage may be diluted by the
+    /// kick latency of the VM parked at the same time).
+    just_unparked: bool,
     // Policy state.
     credit: f64,
     ent: f64,
@@ -331,6 +343,10 @@ impl VmState {
             used_ns: 0,
             runnable: 0,
             prev_runnable: 0,
+            demand: 0.0,
+            prev_demand: 0.0,
+            last_est: 0.0,
+            just_unparked: false,
             credit: 0.0,
             ent: 0.0,
             ent_ref: 0.0,
@@ -439,11 +455,13 @@ pub struct Policy {
     last_now: Option<u64>,
     ticks: u64,
     ent_dirty: bool,
+    /// Extra admission (percent) learnt from CPU left idle while VMs waited.
+    margin: f64,
     // Scratch buffers, reused between ticks.
     items: Vec<Wf>,
     shares: Vec<f64>,
     events: Vec<(f64, f64)>,
-    candidates: Vec<usize>,
+    candidates: Vec<(bool, f64, u32)>,
     output: TickOutput,
 }
 
@@ -466,6 +484,7 @@ impl Policy {
             last_now: None,
             ticks: 0,
             ent_dirty: true,
+            margin: 0.0,
             items: Vec::new(),
             shares: Vec::new(),
             events: Vec::new(),
@@ -572,7 +591,8 @@ impl Policy {
         self.last_now = Some(now_ns);
         self.ticks += 1;
         self.read_usages(usages);
-        if self.ent_dirty || self.vms.iter().any(|v| v.runnable != v.prev_runnable) {
+        self.estimate_demand(dt);
+        if self.ent_dirty || self.vms.iter().any(|v| v.demand != v.prev_demand) {
             self.compute_entitlements();
             self.ent_dirty = false;
         }
@@ -618,6 +638,56 @@ impl Policy {
         }
     }
 
+    /// Estimates each VM's demand (percent) for the coming tick.
+    ///
+    /// The bound is always `100 × runnable vCPUs` ("full"). A VM that ran
+    /// unparked through the last tick shows its demand in its usage,
+    /// corrected for the host contention among unparked vCPUs: if that is at
+    /// least 60 % of full it is taken as full (a spinning VM whose usage was
+    /// diluted by noise or kick latency must not look smaller than it is),
+    /// otherwise usage `× 1.1 + 5 %` (headroom to grow). A VM unparked only
+    /// at the last tick never looks smaller than before. A parked VM, or one
+    /// that just woke up, keeps its last estimate (full if it has none).
+    fn estimate_demand(&mut self, dt: u64) {
+        let unparked: f64 = self
+            .vms
+            .iter()
+            .filter(|v| !v.parked)
+            .map(|v| f64::from(v.runnable) * 100.0)
+            .sum();
+        let rate = if unparked > self.capacity_pct {
+            self.capacity_pct / unparked
+        } else {
+            1.0
+        };
+        for vm in &mut self.vms {
+            let full = f64::from(vm.runnable) * 100.0;
+            let remembered = if vm.last_est > 0.0 {
+                vm.last_est.min(full)
+            } else {
+                full
+            };
+            vm.demand = if vm.runnable == 0 {
+                0.0
+            } else if vm.parked || vm.prev_runnable == 0 || dt == 0 {
+                remembered
+            } else {
+                let used = vm.used_ns as f64 / dt as f64 * 100.0 / rate;
+                let mut est = if used >= 0.6 * full {
+                    full
+                } else {
+                    (used * 1.1 + 5.0).min(full)
+                };
+                if vm.just_unparked {
+                    est = est.max(remembered);
+                }
+                vm.last_est = est;
+                est
+            };
+            vm.just_unparked = false;
+        }
+    }
+
     /// Water-filling among classes, then among the VMs of each class.
     fn compute_entitlements(&mut self) {
         let Policy {
@@ -631,10 +701,7 @@ impl Policy {
         } = self;
         items.clear();
         for c in classes.iter() {
-            let demand: f64 = vms[c.start..c.end]
-                .iter()
-                .map(|v| f64::from(v.runnable) * 100.0)
-                .sum();
+            let demand: f64 = vms[c.start..c.end].iter().map(|v| v.demand).sum();
             let hi = c.spec.cap.map_or(demand, |cap| demand.min(f64::from(cap)));
             let lo = (c.spec.reserved_percent() as f64).min(hi);
             items.push(Wf {
@@ -661,7 +728,7 @@ impl Policy {
             items.extend(vms[range.clone()].iter().map(|v| Wf {
                 w: f64::from(v.weight),
                 lo: 0.0,
-                hi: f64::from(v.runnable) * 100.0,
+                hi: v.demand,
             }));
             water_fill(items, c.ent, shares, events);
             for (v, &e) in vms[range].iter_mut().zip(shares.iter()) {
@@ -679,6 +746,40 @@ impl Policy {
         for c in &mut self.classes {
             c.used_ns = 0;
         }
+        // Work-conservation feedback: host CPU left idle during the tick
+        // while admissible VMs waited parked (a VM that was admitted went
+        // idle mid-tick) raises the admission margin; it decays otherwise.
+        let mut used_total = 0.0;
+        let mut waiting = 0.0;
+        for vm in &self.vms {
+            used_total += vm.used_ns as f64;
+            let c = &self.classes[vm.class];
+            if vm.parked
+                && vm.runnable > 0
+                && !c.cap_bound
+                && !(c.spec.cap.is_some() && c.budget <= 0.0)
+            {
+                waiting += vm.demand;
+            }
+        }
+        // Below 1 % of a CPU the idle time is measurement noise.
+        let idle_pct = self.capacity_pct - used_total / dtf * 100.0;
+        let idle_pct = if idle_pct < 1.0 { 0.0 } else { idle_pct };
+        let wasted_pct = idle_pct.min(waiting);
+        self.margin += alpha * (wasted_pct - self.margin);
+        // The upper bound applies to VMs that were free to run (unparked):
+        // one that did not use its entitlement cannot bank more than a
+        // period of it. A parked VM's credit is what it is owed for waiting
+        // its turn and is not clipped (with many VMs per CPU the wait is
+        // longer than a period).
+        //
+        // Credit a demanding VM earns but cannot keep (it could not use its
+        // entitlement, e.g. because its vCPUs were already flat out) is
+        // handed to the other demanding VMs in proportion to their
+        // entitlements, i.e. by shares and weights: what one VM cannot use
+        // goes to the others, also in the credit ledger.
+        let mut excess = 0.0;
+        let mut receivers = 0.0;
         for vm in &mut self.vms {
             let used = vm.used_ns as f64;
             vm.cpu_ns = vm.cpu_ns.saturating_add(vm.used_ns);
@@ -691,8 +792,32 @@ impl Policy {
             }
             let upper = period * vm.ent_ref / 100.0;
             let lower = -(upper + 2.0 * tick * f64::from(vm.vcpus));
-            vm.credit = (vm.credit + vm.ent / 100.0 * dtf - used).clamp(lower, upper);
+            let mut credit = vm.credit + vm.ent / 100.0 * dtf - used;
+            if !vm.parked && credit > upper {
+                if vm.runnable > 0 {
+                    excess += credit - upper;
+                }
+                credit = upper;
+            } else if vm.runnable > 0 && !self.classes[vm.class].cap_bound {
+                receivers += vm.ent;
+            }
+            vm.credit = credit.max(lower);
             vm.used_pct += alpha * (used / dtf * 100.0 - vm.used_pct);
+        }
+        if excess > 0.0 && receivers > 0.0 {
+            let per_pct = excess / receivers;
+            for vm in &mut self.vms {
+                let upper = period * vm.ent_ref / 100.0;
+                if vm.runnable > 0
+                    && (vm.parked || vm.credit < upper)
+                    && !self.classes[vm.class].cap_bound
+                {
+                    vm.credit += per_pct * vm.ent;
+                    if !vm.parked {
+                        vm.credit = vm.credit.min(upper);
+                    }
+                }
+            }
         }
         for c in &mut self.classes {
             let used = c.used_ns as f64;
@@ -716,10 +841,10 @@ impl Policy {
             classes,
             candidates,
             capacity_pct,
+            margin,
             ..
         } = self;
         candidates.clear();
-        let mut demand = 0.0;
         for (i, vm) in vms.iter_mut().enumerate() {
             let c = &classes[vm.class];
             vm.run = if c.spec.cap.is_some() && c.budget <= 0.0 {
@@ -728,41 +853,34 @@ impl Policy {
             } else if vm.runnable == 0 {
                 // Idle VMs stay unparked so they react at once when they wake.
                 true
-            } else if vm.credit > 0.0 {
-                demand += f64::from(vm.runnable) * 100.0;
-                true
+            } else if c.cap_bound && vm.credit <= 0.0 {
+                // Held back by its class cap: no credit, no CPU, even if the
+                // host is idle.
+                false
             } else {
-                // Out of credit: runs only if the VMs with credit leave CPU
-                // idle, and never if its class is held back by its cap.
-                if !c.cap_bound {
-                    candidates.push(i);
-                }
+                // Rank by lag: credit in units of the VM's own entitlement
+                // (how far ahead of its fair schedule it is); positive
+                // credit always ranks above debt. A VM that was running and
+                // still has credit and uses less than its entitlement on
+                // average goes first: light and latency-sensitive VMs are
+                // not preempted by VMs that waited their turn.
+                let incumbent = !vm.parked && vm.credit > 0.0 && vm.used_pct < 0.5 * vm.ent;
+                candidates.push((incumbent, vm.credit / vm.ent.max(1e-9), i as u32));
                 false
             };
         }
-        if demand < *capacity_pct && !candidates.is_empty() {
-            // Fill the idle capacity with the out-of-credit VMs that are
-            // least in debt. Each brings at least 100 %, so at most `need`
-            // of them are admitted: select those in O(n), sort only them.
-            let need = ((*capacity_pct - demand) / 100.0).ceil().max(1.0) as usize;
-            let by_credit = |a: &usize, b: &usize| {
-                vms[*b]
-                    .credit
-                    .total_cmp(&vms[*a].credit)
-                    .then_with(|| a.cmp(b))
-            };
-            if need < candidates.len() {
-                candidates.select_nth_unstable_by(need - 1, by_credit);
-                candidates.truncate(need);
+        // Admit in order of lag until the admitted demand covers the host.
+        candidates
+            .sort_unstable_by(|a, b| b.0.cmp(&a.0).then(b.1.total_cmp(&a.1)).then(a.2.cmp(&b.2)));
+        let mut admitted = 0.0;
+        let target = *capacity_pct + MARGIN_GAIN * *margin - 1e-6;
+        for &(_, _, i) in candidates.iter() {
+            if admitted >= target {
+                break;
             }
-            candidates.sort_unstable_by(by_credit);
-            for &i in candidates.iter() {
-                if demand >= *capacity_pct {
-                    break;
-                }
-                vms[i].run = true;
-                demand += f64::from(vms[i].runnable) * 100.0;
-            }
+            let vm = &mut vms[i as usize];
+            vm.run = true;
+            admitted += vm.demand;
         }
     }
 
@@ -780,10 +898,13 @@ impl Policy {
                 });
                 if park {
                     vm.park_count += 1;
+                } else {
+                    vm.just_unparked = true;
                 }
                 vm.parked = park;
             }
             vm.prev_runnable = vm.runnable;
+            vm.prev_demand = vm.demand;
             out.vms.push(VmDecision {
                 vm: vm.id,
                 should_run: vm.run,
@@ -872,6 +993,7 @@ pub fn entitlements(model: &Model, mut runnable: impl FnMut(VmId, &VmSpec) -> u3
     for vm in &mut p.vms {
         let spec = model.vm(vm.id).expect("synced VM exists");
         vm.runnable = runnable(vm.id, spec).min(vm.vcpus);
+        vm.demand = f64::from(vm.runnable) * 100.0;
     }
     p.compute_entitlements();
     Entitlements {
@@ -991,7 +1113,7 @@ mod tests {
         let mut p = Policy::new(PolicyConfig::default());
         let tick = 10_000_000;
         let mut a = 0;
-        let mut b = 0;
+        let b = 0;
         // Nobody has credit yet: the host is filled by the first candidate
         // (2 vCPUs cover 2 CPUs), the other one is parked.
         let out = p.tick(
@@ -1009,9 +1131,9 @@ mod tests {
                 action: Action::Park
             }]
         );
-        // Suppose both ran flat out for one tick anyway (kick latency).
-        a += tick;
-        b += tick;
+        // A had the host (2 CPUs) for the tick: it earned 150 % × 10 ms and
+        // used 20 ms; B earned 50 % × 10 ms while parked. B is now ahead.
+        a += 2 * tick;
         let out = p.tick(
             &m,
             tick,
@@ -1022,13 +1144,27 @@ mod tests {
         );
         let by_id = |id| out.vms().iter().find(|d| d.vm == id).unwrap();
         assert!((by_id(VmId(1)).entitlement_pct - 150.0).abs() < 1e-9);
-        assert!(by_id(VmId(1)).should_run);
-        assert!(!by_id(VmId(2)).should_run);
-        assert!(out.changes().is_empty());
-        assert_eq!(p.is_parked(VmId(2)), Some(true));
+        assert!((by_id(VmId(2)).entitlement_pct - 50.0).abs() < 1e-9);
+        assert!(!by_id(VmId(1)).should_run);
+        assert!(by_id(VmId(2)).should_run);
+        assert_eq!(
+            out.changes(),
+            &[
+                Change {
+                    vm: VmId(1),
+                    action: Action::Park
+                },
+                Change {
+                    vm: VmId(2),
+                    action: Action::Unpark
+                }
+            ]
+        );
+        assert_eq!(p.is_parked(VmId(1)), Some(true));
         let s = p.stats();
-        assert_eq!(s.vms[1].credit_ns, -5_000_000);
-        assert_eq!(s.vms[0].credit_ns, 5_000_000);
+        assert_eq!(s.vms[0].credit_ns, -5_000_000);
+        assert_eq!(s.vms[1].credit_ns, 5_000_000);
+        assert_eq!(s.vms[1].parked_ns, tick);
     }
 
     #[test]

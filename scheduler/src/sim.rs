@@ -4,10 +4,11 @@
 //! # Host model
 //!
 //! Time advances in steps of [`SimConfig::step_ns`] (default 1 ms). In each
-//! step the host OS is fair among the runnable, unparked vCPU threads: with
-//! `k` of them on `C` CPUs each gets `min(1, C/k)` of a CPU for the step. A
-//! vCPU whose work runs out mid-step leaves the rest of its slice idle (a
-//! small, pessimistic loss). Every [`PolicyConfig::tick_ns`] the simulator
+//! step the host OS is fair among the runnable, unparked vCPU threads
+//! (max-min fair, at most one CPU per thread): with `k` spinning threads on
+//! `C` CPUs each gets `min(1, C/k)` of a CPU; a thread that needs less for
+//! the rest of its current work (a request or job finishing) takes only that
+//! and the rest is shared among the others. Every [`PolicyConfig::tick_ns`] the simulator
 //! reports each VM's cumulative CPU time and the most vCPUs it had runnable
 //! (parked ones included) since the previous tick, calls
 //! [`Scheduler::tick`], and applies the decisions: unpark at once, park
@@ -368,6 +369,7 @@ pub struct Simulator {
     next_id: u64,
     generation: Option<u64>,
     usages: Vec<VmUsage>,
+    partial: Vec<f64>,
     capacity_cpus: f64,
     // Measurement window.
     window_start: u64,
@@ -397,6 +399,7 @@ impl Simulator {
             next_id: 1,
             generation: None,
             usages: Vec::new(),
+            partial: Vec::new(),
             capacity_cpus: capacity.cpus(),
             window_start: 0,
             busy_ns: 0.0,
@@ -581,7 +584,11 @@ impl Simulator {
     fn step(&mut self) {
         let t = self.now;
         let step = self.config.step_ns;
-        let mut k = 0u64;
+        let stepf = step as f64;
+        // Per-thread demand for this step: spinning threads want the whole
+        // step, threads finishing a request or job want what is left of it.
+        let mut spinning = 0u64;
+        self.partial.clear();
         for vm in &mut self.vms {
             if let Some(at) = vm.park_at
                 && at <= t
@@ -592,16 +599,50 @@ impl Simulator {
             vm.arrivals(t, &mut self.rng);
             vm.runnable = vm.runnable_at(t);
             vm.tick_runnable = vm.tick_runnable.max(vm.runnable);
-            if !vm.parked {
-                k += u64::from(vm.runnable);
+            if vm.parked || vm.runnable == 0 {
+                continue;
+            }
+            match vm.pattern {
+                Pattern::MostlyIdle { .. } | Pattern::Latency { .. } => {
+                    let queued: f64 = vm.requests.iter().map(|r| r.1).sum();
+                    if queued >= stepf {
+                        spinning += 1;
+                    } else {
+                        self.partial.push(queued);
+                    }
+                }
+                Pattern::Job { .. } => {
+                    for &w in vm.job_left.iter().filter(|&&w| w > 0.0) {
+                        if w >= stepf {
+                            spinning += 1;
+                        } else {
+                            self.partial.push(w);
+                        }
+                    }
+                }
+                _ => spinning += u64::from(vm.runnable),
             }
         }
-        let rate = if k == 0 {
-            0.0
+        // Max-min fair share per thread (`level` ns of CPU in this step).
+        let mut left = self.capacity_cpus * stepf;
+        let partial_sum: f64 = self.partial.iter().sum();
+        let level = if partial_sum + spinning as f64 * stepf <= left {
+            stepf
         } else {
-            (self.capacity_cpus / k as f64).min(1.0)
+            self.partial.sort_unstable_by(f64::total_cmp);
+            let mut n = spinning as f64 + self.partial.len() as f64;
+            for &p in &self.partial {
+                if p * n <= left {
+                    left -= p;
+                    n -= 1.0;
+                } else {
+                    break;
+                }
+            }
+            (left / n).min(stepf)
         };
-        let slice = rate * step as f64;
+        let slice = level;
+        let rate = level / stepf;
         let mut used = 0.0;
         let mut parked_wanting = 0u64;
         for vm in &mut self.vms {

@@ -28,7 +28,9 @@ void __attribute__((noreturn)) probe_fail(const char *reason, const char *msg)
 	probe_finish(false, reason);
 }
 
-static void report_e820(const u8 *bp)
+u64 usable_kib; /* e820 type-1 RAM, reported by the boot mode */
+
+static void read_e820(const u8 *bp)
 {
 	u8 n = bp[0x1e8];
 	u64 usable = 0;
@@ -41,7 +43,7 @@ static void report_e820(const u8 *bp)
 		if (type == 1)
 			usable += size;
 	}
-	kprintf("PROBE-E820 entries=%u usable_kib=%lu\n", (u32)n, usable >> 10);
+	usable_kib = usable >> 10;
 }
 
 void kmain(const u8 *bp)
@@ -68,10 +70,8 @@ void kmain(const u8 *bp)
 	}
 
 	time_init();
-	report_e820(bp);
+	read_e820(bp);
 	mp_scan();
-	if (mp.found)
-		kprintf("PROBE-MP cpus=%u lapic=0x%x\n", mp.ncpus, mp.lapic_addr);
 
 	u32 online = smp_boot(1000);
 	kprintf("PROBE-CPUS online=%u expected=%u\n", online, cpus_expected);

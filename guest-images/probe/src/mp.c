@@ -52,14 +52,8 @@ static bool parse_config(u64 addr)
 		u64 size = type == 0 ? 20 : 8;
 		if (type > 4 || off + size > len)
 			break; /* unknown entry type: its length is unknown, stop */
-		if (type == 0 && (t[off + 3] & 1)) {
-			if (mp.ncpus < MAX_CPUS) {
-				mp.apic_ids[mp.ncpus] = t[off + 1];
-				mp.bsp_flag[mp.ncpus] = (t[off + 3] >> 1) & 1;
-				mp.ncpus++;
-			}
-			mp.total_entries++;
-		}
+		if (type == 0 && (t[off + 3] & 1) && mp.ncpus < MAX_CPUS)
+			mp.apic_ids[mp.ncpus++] = t[off + 1];
 		off += size;
 	}
 	return mp.ncpus > 0;

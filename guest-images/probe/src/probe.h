@@ -119,8 +119,6 @@ struct mp_info {
 	u32 lapic_addr;
 	u32 ncpus;              /* enabled processor entries */
 	u8 apic_ids[MAX_CPUS];  /* enabled processors (first MAX_CPUS) */
-	u8 bsp_flag[MAX_CPUS];
-	u32 total_entries;      /* enabled processors in the table (may exceed MAX_CPUS) */
 };
 extern struct mp_info mp;
 void mp_scan(void);
@@ -142,6 +140,7 @@ void idt_load(void);
 
 /* ---- main.c ---- */
 extern u64 boot_tsc;
+extern u64 usable_kib;
 void __attribute__((noreturn)) probe_finish(bool ok, const char *reason);
 /* Print "PROBE-ERROR <msg>", then PROBE-DONE status=error reason=<reason>, reset. */
 void __attribute__((noreturn)) probe_fail(const char *reason, const char *msg);

@@ -1,0 +1,141 @@
+//! The throttling seam of virtio-blk: a [`RequestGate`] asked before each
+//! request, and the timerfd the device arms when the gate says "wait".
+//!
+//! Protocol (matches [`corral_blkthrottle::Throttle`], which implements the
+//! trait): for the request at the head of the queue the device calls
+//! [`RequestGate::poll`]. On `Admit` it serves it and polls the next one. On
+//! `Wait { until }` it keeps that request (it has already been popped from
+//! the available ring; the ones behind it stay in the ring, in order), arms
+//! its timer for `until` (absolute `CLOCK_MONOTONIC` nanoseconds) and stops
+//! taking requests from that queue; guest notifications meanwhile are only
+//! drained. When the timer fires — or when the VMM calls
+//! [`Block::gate_changed`](super::Block::gate_changed) after a live limit
+//! change — the head is polled again. A device reset drops the waiting
+//! request and calls [`RequestGate::cancel`].
+
+use std::any::Any;
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+
+pub use corral_blkthrottle::{Decision, Nanos, OpKind, Request as GateRequest};
+
+/// Asked before each request is served.
+pub trait RequestGate: Send {
+    /// May the head request `req` go at `now`?
+    fn poll(&mut self, req: GateRequest, now: Nanos) -> Decision;
+    /// The waiting head request was dropped (device reset).
+    fn cancel(&mut self);
+    /// A request started waiting.
+    fn note_enqueued(&mut self) {}
+    /// A waiting request was admitted or dropped.
+    fn note_dequeued(&mut self) {}
+    /// A request completed `ns` after the device took it from the ring.
+    fn record_latency(&mut self, _kind: OpKind, _ns: Nanos) {}
+    /// For downcasting to the concrete gate (e.g. to change its limits).
+    fn as_any_mut(&mut self) -> &mut dyn Any;
+}
+
+impl RequestGate for corral_blkthrottle::Throttle {
+    fn poll(&mut self, req: GateRequest, now: Nanos) -> Decision {
+        corral_blkthrottle::Throttle::poll(self, req, now)
+    }
+    fn cancel(&mut self) {
+        corral_blkthrottle::Throttle::cancel(self)
+    }
+    fn note_enqueued(&mut self) {
+        corral_blkthrottle::Throttle::note_enqueued(self)
+    }
+    fn note_dequeued(&mut self) {
+        corral_blkthrottle::Throttle::note_dequeued(self)
+    }
+    fn record_latency(&mut self, kind: OpKind, ns: Nanos) {
+        corral_blkthrottle::Throttle::record_latency(self, kind, ns)
+    }
+    fn as_any_mut(&mut self) -> &mut dyn Any {
+        self
+    }
+}
+
+/// `CLOCK_MONOTONIC` in nanoseconds (the clock of [`Nanos`]).
+pub fn monotonic_ns() -> Nanos {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes into the timespec we own.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    (ts.tv_sec as u64) * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// A non-blocking one-shot timerfd on `CLOCK_MONOTONIC`, armed at absolute
+/// times.
+#[derive(Debug)]
+pub struct GateTimer {
+    fd: OwnedFd,
+}
+
+impl GateTimer {
+    /// A disarmed timer.
+    pub fn new() -> io::Result<Self> {
+        // SAFETY: plain syscall; the result is checked below.
+        let fd = unsafe {
+            libc::timerfd_create(
+                libc::CLOCK_MONOTONIC,
+                libc::TFD_NONBLOCK | libc::TFD_CLOEXEC,
+            )
+        };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: fd is a new descriptor that nothing else owns.
+        Ok(Self {
+            fd: unsafe { OwnedFd::from_raw_fd(fd) },
+        })
+    }
+
+    fn set(&self, at: Nanos, flags: libc::c_int) -> io::Result<()> {
+        let spec = libc::itimerspec {
+            it_interval: libc::timespec {
+                tv_sec: 0,
+                tv_nsec: 0,
+            },
+            it_value: libc::timespec {
+                tv_sec: (at / 1_000_000_000) as libc::time_t,
+                tv_nsec: (at % 1_000_000_000) as libc::c_long,
+            },
+        };
+        // SAFETY: valid fd and itimerspec; old value not requested.
+        let r = unsafe {
+            libc::timerfd_settime(self.fd.as_raw_fd(), flags, &spec, std::ptr::null_mut())
+        };
+        if r < 0 {
+            Err(io::Error::last_os_error())
+        } else {
+            Ok(())
+        }
+    }
+
+    /// Fires at `at` (`CLOCK_MONOTONIC` ns); a time in the past fires at once.
+    pub fn arm_at(&self, at: Nanos) -> io::Result<()> {
+        // it_value 0 would disarm: fire "now" instead.
+        self.set(at.max(1), libc::TFD_TIMER_ABSTIME)
+    }
+
+    /// Cancels a pending expiry.
+    pub fn disarm(&self) -> io::Result<()> {
+        self.set(0, 0)
+    }
+
+    /// Consumes expirations (never blocks).
+    pub fn drain(&self) {
+        let mut buf = [0u8; 8];
+        // SAFETY: reads at most 8 bytes into our buffer; non-blocking fd.
+        let _ = unsafe { libc::read(self.fd.as_raw_fd(), buf.as_mut_ptr().cast(), 8) };
+    }
+}
+
+impl AsRawFd for GateTimer {
+    fn as_raw_fd(&self) -> RawFd {
+        self.fd.as_raw_fd()
+    }
+}

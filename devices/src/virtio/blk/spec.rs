@@ -1,0 +1,172 @@
+//! The `--disk` argument: `PATH[,readonly][,direct][,id=NAME][,key=value...]`.
+
+use std::path::PathBuf;
+
+/// Longest disk id (it is also the virtio serial, `VIRTIO_BLK_ID_BYTES`).
+pub const MAX_ID_LEN: usize = 20;
+
+/// A parsed `--disk` argument.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DiskSpec {
+    /// Backing file or block device.
+    pub path: PathBuf,
+    /// Refuse writes (`readonly` or `ro`).
+    pub read_only: bool,
+    /// Open with `O_DIRECT` (`direct`).
+    pub direct: bool,
+    /// Name of the disk (`id=`), also its serial number.
+    pub id: Option<String>,
+    /// Other `key=value` options in order (throttle limits such as `bps=`,
+    /// `iops=`, parsed by `corral-blkthrottle`).
+    pub options: Vec<(String, String)>,
+}
+
+/// Errors parsing a [`DiskSpec`].
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum DiskSpecError {
+    /// Nothing before the first comma.
+    #[error(
+        "disk spec has an empty path (expected PATH[,readonly][,direct][,id=NAME][,key=value...])"
+    )]
+    EmptyPath,
+    /// A bare word that is not a known flag.
+    #[error("unknown disk flag `{0}` (known: readonly, direct; options are key=value)")]
+    UnknownFlag(String),
+    /// `readonly=...` or `direct=...`.
+    #[error("disk flag `{0}` takes no value")]
+    FlagWithValue(String),
+    /// `=value` or an empty item (`,,`).
+    #[error("empty option name in disk spec")]
+    EmptyKey,
+    /// `key=`.
+    #[error("option `{0}` has an empty value")]
+    EmptyValue(String),
+    /// The same key twice.
+    #[error("option `{0}` given twice")]
+    Duplicate(String),
+    /// An id with characters outside `[A-Za-z0-9._-]` or too long.
+    #[error("disk id `{0}` must be 1 to 20 characters of [A-Za-z0-9._-]")]
+    BadId(String),
+}
+
+impl DiskSpec {
+    /// Parses `PATH[,readonly][,direct][,id=NAME][,key=value...]`. Paths
+    /// containing a comma are not supported.
+    pub fn parse(s: &str) -> Result<Self, DiskSpecError> {
+        let mut items = s.split(',');
+        let path = items.next().unwrap_or("");
+        if path.is_empty() {
+            return Err(DiskSpecError::EmptyPath);
+        }
+        let mut spec = DiskSpec {
+            path: PathBuf::from(path),
+            read_only: false,
+            direct: false,
+            id: None,
+            options: Vec::new(),
+        };
+        let mut seen: Vec<String> = Vec::new();
+        for item in items {
+            let (key, value) = match item.split_once('=') {
+                Some((k, v)) => (k, Some(v)),
+                None => (item, None),
+            };
+            if key.is_empty() {
+                return Err(DiskSpecError::EmptyKey);
+            }
+            let canon = if key == "ro" { "readonly" } else { key };
+            if seen.iter().any(|k| k == canon) {
+                return Err(DiskSpecError::Duplicate(canon.to_string()));
+            }
+            seen.push(canon.to_string());
+            match (canon, value) {
+                ("readonly", None) => spec.read_only = true,
+                ("direct", None) => spec.direct = true,
+                ("readonly" | "direct", Some(_)) => {
+                    return Err(DiskSpecError::FlagWithValue(key.to_string()));
+                }
+                (_, None) => return Err(DiskSpecError::UnknownFlag(key.to_string())),
+                (_, Some("")) => return Err(DiskSpecError::EmptyValue(key.to_string())),
+                ("id", Some(v)) => {
+                    let ok = v.len() <= MAX_ID_LEN
+                        && v.bytes()
+                            .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b));
+                    if !ok {
+                        return Err(DiskSpecError::BadId(v.to_string()));
+                    }
+                    spec.id = Some(v.to_string());
+                }
+                (k, Some(v)) => spec.options.push((k.to_string(), v.to_string())),
+            }
+        }
+        Ok(spec)
+    }
+}
+
+impl std::str::FromStr for DiskSpec {
+    type Err = DiskSpecError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Self::parse(s)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_flags_id_and_options() {
+        let d = DiskSpec::parse("/img/a.raw,readonly,direct,id=root,bps=10M,iops=100").unwrap();
+        assert_eq!(d.path, PathBuf::from("/img/a.raw"));
+        assert!(d.read_only && d.direct);
+        assert_eq!(d.id.as_deref(), Some("root"));
+        assert_eq!(
+            d.options,
+            vec![
+                ("bps".to_string(), "10M".to_string()),
+                ("iops".to_string(), "100".to_string())
+            ]
+        );
+        let d: DiskSpec = "disk.img".parse().unwrap();
+        assert!(!d.read_only && !d.direct && d.id.is_none() && d.options.is_empty());
+        assert!(DiskSpec::parse("x,ro").unwrap().read_only);
+    }
+
+    #[test]
+    fn errors() {
+        use DiskSpecError::*;
+        assert_eq!(DiskSpec::parse(""), Err(EmptyPath));
+        assert_eq!(DiskSpec::parse(",readonly"), Err(EmptyPath));
+        assert_eq!(
+            DiskSpec::parse("a,readonyl"),
+            Err(UnknownFlag("readonyl".into()))
+        );
+        assert_eq!(
+            DiskSpec::parse("a,direct=1"),
+            Err(FlagWithValue("direct".into()))
+        );
+        assert_eq!(DiskSpec::parse("a,,direct"), Err(EmptyKey));
+        assert_eq!(DiskSpec::parse("a,=3"), Err(EmptyKey));
+        assert_eq!(DiskSpec::parse("a,bps="), Err(EmptyValue("bps".into())));
+        assert_eq!(
+            DiskSpec::parse("a,bps=1,bps=2"),
+            Err(Duplicate("bps".into()))
+        );
+        assert_eq!(
+            DiskSpec::parse("a,ro,readonly"),
+            Err(Duplicate("readonly".into()))
+        );
+        assert_eq!(DiskSpec::parse("a,id=a b"), Err(BadId("a b".into())));
+        assert_eq!(
+            DiskSpec::parse("a,id=012345678901234567890"),
+            Err(BadId("012345678901234567890".into()))
+        );
+        // Messages name the culprit.
+        assert!(
+            DiskSpec::parse("a,foo")
+                .unwrap_err()
+                .to_string()
+                .contains("`foo`")
+        );
+    }
+}
