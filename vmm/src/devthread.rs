@@ -1,9 +1,26 @@
 //! The device thread of a VM: an event loop (event-manager) over the host's
-//! stdin and the VM's wake-up eventfd. Later: virtio queue notifications,
-//! throttle timers, control messages.
+//! stdin, the virtio-blk queue notifications and throttle timers (each disk is
+//! a subscriber), and the VM's wake-up eventfd, which carries control messages
+//! (live limit changes) from the API.
 
 use std::os::fd::RawFd;
+use std::sync::mpsc::{Receiver, Sender};
 use std::sync::{Arc, Mutex};
+
+use corral_blkthrottle::{Limits, Throttle};
+use corral_devices::virtio::blk::gate::monotonic_ns;
+
+use crate::vm::VmError;
+
+/// Messages to a VM's device thread.
+pub(crate) enum Control {
+    /// Replace a disk's limits (keeping its queue and earned tokens).
+    SetLimits {
+        disk: usize,
+        limits: Limits,
+        reply: Sender<Result<(), VmError>>,
+    },
+}
 
 use corral_devices::SerialDevice;
 use corral_devices::bus::lock;
@@ -41,11 +58,57 @@ impl MutEventSubscriber for Stdin {
 struct Wake {
     shared: Arc<Shared>,
     fd: RawFd,
+    control: Receiver<Control>,
+}
+
+impl Wake {
+    fn set_limits(&self, disk: usize, limits: Limits) -> Result<(), VmError> {
+        let (name, _, block) = self
+            .shared
+            .disks
+            .get(disk)
+            .ok_or_else(|| VmError::NoSuchDisk(disk.to_string()))?;
+        let mut b = lock(block);
+        let now = monotonic_ns();
+        let err = |msg: String| VmError::Disk {
+            name: name.clone(),
+            msg,
+        };
+        match b
+            .gate_mut()
+            .and_then(|g| g.as_any_mut().downcast_mut::<Throttle>())
+        {
+            Some(t) => t.set_limits(&limits, now).map_err(|e| err(e.to_string()))?,
+            None => {
+                if limits.is_unlimited() {
+                    return Ok(());
+                }
+                let t = Throttle::new(&limits, now).map_err(|e| err(e.to_string()))?;
+                // set_gate re-polls a waiting request against the new gate.
+                b.set_gate(Some(Box::new(t)));
+                return Ok(());
+            }
+        }
+        b.gate_changed();
+        Ok(())
+    }
 }
 
 impl MutEventSubscriber for Wake {
     fn process(&mut self, _events: Events, _ops: &mut EventOps) {
         self.shared.clear_wake();
+        while let Ok(msg) = self.control.try_recv() {
+            match msg {
+                Control::SetLimits {
+                    disk,
+                    limits,
+                    reply,
+                } => {
+                    let r = self.set_limits(disk, limits);
+                    let _ = reply.send(r);
+                }
+            }
+        }
     }
 
     fn init(&mut self, ops: &mut EventOps) {
@@ -55,7 +118,12 @@ impl MutEventSubscriber for Wake {
     }
 }
 
-pub(crate) fn run(shared: Arc<Shared>, serial: Arc<Mutex<SerialDevice>>, stdin: bool) {
+pub(crate) fn run(
+    shared: Arc<Shared>,
+    serial: Arc<Mutex<SerialDevice>>,
+    stdin: bool,
+    control: Receiver<Control>,
+) {
     let mut em = match EventManager::<Arc<Mutex<dyn MutEventSubscriber + Send>>>::new() {
         Ok(em) => em,
         Err(e) => {
@@ -67,7 +135,12 @@ pub(crate) fn run(shared: Arc<Shared>, serial: Arc<Mutex<SerialDevice>>, stdin: 
     em.add_subscriber(Arc::new(Mutex::new(Wake {
         shared: shared.clone(),
         fd,
+        control,
     })));
+    for (_, _, block) in &shared.disks {
+        let sub: Arc<Mutex<dyn MutEventSubscriber + Send>> = block.clone();
+        em.add_subscriber(sub);
+    }
     if stdin {
         em.add_subscriber(Arc::new(Mutex::new(Stdin { serial })));
     }

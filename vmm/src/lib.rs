@@ -1,9 +1,11 @@
 //! corral-vmm: one KVM virtual machine (memory, boot, vCPU threads, devices,
 //! lifecycle), and later the manager of many.
 
+pub mod acpi;
 pub mod boot;
 pub mod cgroup;
 pub mod cpuid;
+pub mod cpusched;
 mod devthread;
 pub mod layout;
 pub mod loader;

@@ -247,8 +247,12 @@ pub fn write_boot_params(
     loaded: &Loaded,
     cmdline_len: usize,
     initrd: Option<(u64, u64)>,
+    acpi_rsdp: Option<u64>,
 ) -> Result<(), LoadError> {
     let mut params = boot_params::default();
+    if let Some(rsdp) = acpi_rsdp {
+        params.acpi_rsdp_addr = rsdp;
+    }
     if let Some(h) = loaded.setup_header {
         params.hdr = h;
     } else {

@@ -101,8 +101,10 @@ impl ManagerError {
                 ModelErrorKind::Refused => ErrorKind::Refused,
             },
             Self::Vm(v) => match v {
-                VmError::Config(_) | VmError::Load(_) => ErrorKind::Invalid,
+                VmError::Config(_) | VmError::Load(_) | VmError::Disk { .. } => ErrorKind::Invalid,
+                VmError::NoSuchDisk(_) => ErrorKind::NotFound,
                 VmError::Memory(_) => ErrorKind::Refused,
+                VmError::Acpi(_) => ErrorKind::Invalid,
                 VmError::Kvm { .. }
                 | VmError::Boot(_)
                 | VmError::MpTable(_)
@@ -411,6 +413,20 @@ pub struct SchedVm {
     pub running: bool,
 }
 
+/// A VM's console log and whether the VM still runs.
+pub struct ConsoleWatch {
+    /// The log.
+    pub log: Arc<ConsoleLog>,
+    entry: Arc<Entry>,
+}
+
+impl ConsoleWatch {
+    /// Whether the VM stopped (no more output will come).
+    pub fn finished(&self) -> bool {
+        self.entry.handle.exit_reason().is_some()
+    }
+}
+
 /// One hosted VM.
 struct Entry {
     id: VmId,
@@ -716,6 +732,9 @@ impl Manager {
                 *exits.entry(k).or_default() += v;
             }
         }
+        let sched_cpu_ns = stats
+            .and_then(|s| s.vms.iter().find(|v| v.vm == e.id))
+            .map_or(0, |v| v.cpu_ns);
         let sched = stats.filter(|s| s.ticks > 0).and_then(|s| {
             s.vms.iter().find(|v| v.vm == e.id).map(|v| SchedFigures {
                 entitlement_pct: v.entitlement_pct,
@@ -740,7 +759,7 @@ impl Manager {
             disks: lock(&e.disks).clone(),
             created: e.created,
             uptime: running.then(|| e.handle.uptime()),
-            cpu_secs: e.cpu_ns(running) as f64 / 1e9,
+            cpu_secs: e.cpu_ns(running).max(sched_cpu_ns) as f64 / 1e9,
             exits: exits.into_iter().collect(),
             sched,
         }
@@ -774,6 +793,27 @@ impl Manager {
     /// A VM's console log.
     pub fn console(&self, name: &str) -> Result<Arc<ConsoleLog>, ManagerError> {
         Ok(self.entry(name)?.handle.console())
+    }
+
+    /// A VM's console plus a way to tell when the VM stopped (for
+    /// streaming: the log is closed only when the VM is freed).
+    pub fn console_watch(&self, name: &str) -> Result<ConsoleWatch, ManagerError> {
+        let entry = self.entry(name)?;
+        Ok(ConsoleWatch {
+            log: entry.handle.console(),
+            entry,
+        })
+    }
+
+    /// Reads the CPU time of every running VM's vCPU threads, so that the
+    /// figure survives the threads (call it every second or so).
+    pub fn sample_cpu(&self) {
+        let entries: Vec<Arc<Entry>> = lock(&self.state).vms.values().cloned().collect();
+        for e in entries {
+            if e.handle.exit_reason().is_none() {
+                e.cpu_ns(true);
+            }
+        }
     }
 
     fn validate_request(&self, req: &mut VmRequest) -> Result<(), ManagerError> {

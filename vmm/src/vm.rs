@@ -11,18 +11,23 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use corral_blkthrottle::{Limits, Throttle, ThrottleGroup};
+use corral_devices::acpi_pm::{self, AcpiPm};
 use corral_devices::bus::lock;
+use corral_devices::virtio::blk::{Block, DiskSpec};
+use corral_devices::virtio::mmio::QUEUE_NOTIFY;
+use corral_devices::virtio::{MMIO_WINDOW_SIZE, MmioTransport, VirtioDevice};
 use corral_devices::{Bus, ConsoleLog, I8042, SerialDevice};
 use corral_scheduler::gate::Gate;
 use kvm_bindings::{
     KVM_MAX_CPUID_ENTRIES, KVM_PIT_SPEAKER_DUMMY, kvm_pit_config, kvm_userspace_memory_region,
 };
-use kvm_ioctls::{Kvm, VcpuFd, VmFd};
+use kvm_ioctls::{IoEventAddress, Kvm, VcpuFd, VmFd};
 use vm_memory::{Address, GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion};
 use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 
 use crate::vcpu::{self, VcpuStats};
-use crate::{boot, cpuid, layout, loader, mptable};
+use crate::{acpi, boot, cpuid, layout, loader, mptable};
 
 /// Where the kernel comes from.
 #[derive(Debug, Clone)]
@@ -56,6 +61,94 @@ pub struct VmConfig {
     pub console_log_bytes: usize,
     /// The scheduler's gate for this VM (the `gate` CPU backend), if any.
     pub sched_gate: Option<Arc<Gate>>,
+    /// virtio-blk disks, in order (vda, vdb, ...).
+    pub disks: Vec<DiskConfig>,
+    /// Give the guest ACPI tables (MADT, DSDT with the virtio-mmio devices,
+    /// S5 power-off). Off: MP table and command-line announcement only.
+    pub acpi: bool,
+}
+
+/// One virtio-blk disk of a VM.
+#[derive(Debug, Clone)]
+pub struct DiskConfig {
+    /// Backing file and flags.
+    pub spec: DiskSpec,
+    /// The disk's own limits.
+    pub limits: Limits,
+    /// A shared limit (per class or named), if any, and this disk's weight in it.
+    pub group: Option<(ThrottleGroup, u32)>,
+}
+
+impl DiskConfig {
+    /// Parses the CLI form `PATH[,readonly][,direct][,id=NAME][,bps=N,...]`.
+    pub fn parse(s: &str) -> Result<Self, VmError> {
+        let spec = DiskSpec::parse(s).map_err(|e| VmError::Config(format!("--disk {s}: {e}")))?;
+        let mut limits = Limits::default();
+        for (k, v) in &spec.options {
+            match limits.parse_kv(k, v) {
+                Ok(true) => {}
+                Ok(false) => {
+                    return Err(VmError::Config(format!(
+                        "--disk {s}: unknown option {k:?} (flags: readonly, direct; keys: id, bps, iops, rbps, wbps, riops, wiops, burst_bytes, burst_ops, onetime_bytes, onetime_ops)"
+                    )));
+                }
+                Err(e) => return Err(VmError::Config(format!("--disk {s}: {e}"))),
+            }
+        }
+        limits
+            .validate()
+            .map_err(|e| VmError::Config(format!("--disk {s}: {e}")))?;
+        Ok(Self {
+            spec,
+            limits,
+            group: None,
+        })
+    }
+
+    /// The disk's name: its `id`, else `vda`, `vdb`, ... by position.
+    pub fn name(&self, index: usize) -> String {
+        self.spec.id.clone().unwrap_or_else(|| disk_name(index))
+    }
+}
+
+/// `vda`, `vdb`, ..., `vdz`, `vdaa`, ...
+pub fn disk_name(index: usize) -> String {
+    let mut n = index;
+    let mut s = Vec::new();
+    loop {
+        s.push(b'a' + (n % 26) as u8);
+        if n < 26 {
+            break;
+        }
+        n = n / 26 - 1;
+    }
+    s.reverse();
+    format!("vd{}", String::from_utf8_lossy(&s))
+}
+
+/// IRQs (ISA pins, routed by the MP table and the ACPI DSDT alike) for
+/// virtio-mmio devices: 4 is COM1, 8 the RTC, 13 the FPU.
+pub const VIRTIO_IRQS: [u32; 9] = [5, 6, 7, 9, 10, 11, 12, 14, 15];
+
+/// Counters and limits of one disk, for the API and metrics.
+#[derive(Debug, Clone)]
+pub struct DiskInfo {
+    /// Name.
+    pub name: String,
+    /// Backing file.
+    pub path: PathBuf,
+    /// Read-only.
+    pub read_only: bool,
+    /// O_DIRECT.
+    pub direct: bool,
+    /// Size in bytes.
+    pub capacity_bytes: u64,
+    /// The disk's own limits.
+    pub limits: Limits,
+    /// Throttle counters (ops, bytes, throttled, latency), if a throttle is installed.
+    pub stats: corral_blkthrottle::Stats,
+    /// The group, if any.
+    pub group: Option<String>,
 }
 
 impl VmConfig {
@@ -72,6 +165,8 @@ impl VmConfig {
             console_stdin: false,
             console_log_bytes: 256 * 1024,
             sched_gate: None,
+            disks: Vec::new(),
+            acpi: true,
         }
     }
 }
@@ -131,6 +226,20 @@ pub enum VmError {
     /// MP table.
     #[error(transparent)]
     MpTable(#[from] mptable::MpTableError),
+    /// ACPI tables.
+    #[error(transparent)]
+    Acpi(#[from] acpi::AcpiError),
+    /// A disk cannot be opened or set up.
+    #[error("disk {name}: {msg}")]
+    Disk {
+        /// Disk name.
+        name: String,
+        /// What went wrong.
+        msg: String,
+    },
+    /// No such disk.
+    #[error("no disk {0:?}")]
+    NoSuchDisk(String),
     /// Guest memory allocation.
     #[error("cannot allocate guest memory: {0}")]
     Memory(String),
@@ -216,6 +325,30 @@ pub fn validate(cfg: &VmConfig, kvm: &Kvm) -> Result<(), VmError> {
             loader::probe_kernel(&mut Cursor::new(&b[..]), "built-in probe")?;
         }
     }
+    if cfg.disks.len() > VIRTIO_IRQS.len() {
+        return Err(VmError::Config(format!(
+            "{} disks requested; at most {} per VM",
+            cfg.disks.len(),
+            VIRTIO_IRQS.len()
+        )));
+    }
+    let mut names = std::collections::HashSet::new();
+    for (i, d) in cfg.disks.iter().enumerate() {
+        let name = d.name(i);
+        if !names.insert(name.clone()) {
+            return Err(VmError::Config(format!("two disks are named {name:?}")));
+        }
+        let meta = std::fs::metadata(&d.spec.path).map_err(|e| VmError::Disk {
+            name: name.clone(),
+            msg: format!("{}: {e}", d.spec.path.display()),
+        })?;
+        if meta.is_dir() {
+            return Err(VmError::Disk {
+                name,
+                msg: format!("{} is a directory", d.spec.path.display()),
+            });
+        }
+    }
     if let Some(p) = &cfg.initrd {
         let meta = std::fs::metadata(p).map_err(|err| loader::LoadError::InitrdIo {
             path: p.display().to_string(),
@@ -252,6 +385,10 @@ pub(crate) struct Shared {
     wake: EventFd,
     /// Host pause/resume.
     pause_gate: Arc<Gate>,
+    /// virtio-blk disks: (name, config, device).
+    pub(crate) disks: Vec<(String, DiskConfig, Arc<Mutex<Block>>)>,
+    /// Messages for the device thread.
+    pub(crate) control: Mutex<std::sync::mpsc::Sender<crate::devthread::Control>>,
     /// The scheduler's gate, if the VM is scheduled by the gate backend.
     sched_gate: Option<Arc<Gate>>,
 }
@@ -356,6 +493,60 @@ impl VmHandle {
     /// pthread ids of the vCPU threads (for CPU clocks); empty once joined.
     pub fn vcpu_pthreads(&self) -> Vec<libc::pthread_t> {
         lock(&self.shared.vcpu_pthreads).clone()
+    }
+
+    /// The VM's disks with their limits and counters.
+    pub fn disks(&self) -> Vec<DiskInfo> {
+        self.shared
+            .disks
+            .iter()
+            .map(|(name, d, block)| {
+                let mut b = lock(block);
+                let capacity_bytes = b.capacity_sectors() * 512;
+                let (stats, limits) = match b
+                    .gate_mut()
+                    .and_then(|g| g.as_any_mut().downcast_mut::<Throttle>())
+                {
+                    Some(t) => (t.stats(), t.limits()),
+                    None => (corral_blkthrottle::Stats::default(), Limits::default()),
+                };
+                DiskInfo {
+                    name: name.clone(),
+                    path: d.spec.path.clone(),
+                    read_only: d.spec.read_only,
+                    direct: d.spec.direct,
+                    capacity_bytes,
+                    limits,
+                    stats,
+                    group: d.group.as_ref().map(|(g, _)| g.name().to_string()),
+                }
+            })
+            .collect()
+    }
+
+    /// Changes a disk's limits live. The device thread swaps them between two
+    /// requests; queued requests and earned tokens are kept. Returns once applied.
+    pub fn set_disk_limits(&self, disk: &str, limits: Limits) -> Result<(), VmError> {
+        limits
+            .validate()
+            .map_err(|e| VmError::Config(e.to_string()))?;
+        let index = self
+            .shared
+            .disks
+            .iter()
+            .position(|(n, _, _)| n == disk)
+            .ok_or_else(|| VmError::NoSuchDisk(disk.to_string()))?;
+        let (tx, rx) = std::sync::mpsc::channel();
+        lock(&self.shared.control)
+            .send(crate::devthread::Control::SetLimits {
+                disk: index,
+                limits,
+                reply: tx,
+            })
+            .map_err(|_| VmError::Config("the VM has stopped".into()))?;
+        self.shared.wake_device_thread();
+        rx.recv_timeout(Duration::from_secs(5))
+            .map_err(|_| VmError::Config("the VM's device thread did not answer".into()))?
     }
 
     /// Asks the VM to stop; returns at once.
@@ -525,10 +716,66 @@ pub fn start(cfg: &VmConfig) -> Result<VmHandle, VmError> {
         )?),
         None => None,
     };
-    loader::write_cmdline(&mem, &cfg.cmdline)?;
-    loader::write_boot_params(&mem, mem_bytes, &loaded, cfg.cmdline.len(), initrd)?;
-    boot::write_tables(&mem)?;
+    // virtio-mmio disks: a 4 KiB window and an ISA IRQ each, announced on
+    // the command line (for kernels that read it, and the probe) and in the
+    // ACPI DSDT.
+    let mut cmdline = cfg.cmdline.clone();
+    let mut windows = Vec::new();
+    let mut blocks = Vec::new();
+    for (i, d) in cfg.disks.iter().enumerate() {
+        let name = d.name(i);
+        let irq = VIRTIO_IRQS[i];
+        let base = layout::VIRTIO_MMIO_BASE + i as u64 * MMIO_WINDOW_SIZE;
+        let mut block = Block::from_spec(&d.spec).map_err(|e| VmError::Disk {
+            name: name.clone(),
+            msg: e.to_string(),
+        })?;
+        let now = corral_devices::virtio::blk::gate::monotonic_ns();
+        if !d.limits.is_unlimited() || d.group.is_some() {
+            let mut t = Throttle::new(&d.limits, now).map_err(|e| VmError::Disk {
+                name: name.clone(),
+                msg: e.to_string(),
+            })?;
+            if let Some((g, w)) = &d.group {
+                t.join_group(g, *w, None).map_err(|e| VmError::Disk {
+                    name: name.clone(),
+                    msg: e.to_string(),
+                })?;
+            }
+            block.set_gate(Some(Box::new(t)));
+        }
+        if !cmdline.is_empty() {
+            cmdline.push(' ');
+        }
+        cmdline.push_str(&MmioTransport::cmdline_arg(base, irq));
+        windows.push(acpi::VirtioMmioWindow {
+            base,
+            size: MMIO_WINDOW_SIZE as u32,
+            irq,
+        });
+        blocks.push((name, d.clone(), base, irq, Arc::new(Mutex::new(block))));
+    }
+    if cmdline.len() > layout::CMDLINE_MAX {
+        return Err(VmError::Config(
+            "the kernel command line with the virtio-mmio announcements is too long".into(),
+        ));
+    }
+    loader::write_cmdline(&mem, &cmdline)?;
     mptable::write(&mem, cfg.vcpus)?;
+    let rsdp = if cfg.acpi {
+        Some(acpi::write(
+            &mem,
+            &acpi::AcpiParams {
+                cpus: cfg.vcpus,
+                virtio_mmio: windows,
+                serial: true,
+            },
+        )?)
+    } else {
+        None
+    };
+    loader::write_boot_params(&mem, mem_bytes, &loaded, cmdline.len(), initrd, rsdp)?;
+    boot::write_tables(&mem)?;
 
     // Devices.
     let console = ConsoleLog::new(cfg.console_log_bytes);
@@ -549,7 +796,27 @@ pub fn start(cfg: &VmConfig) -> Result<VmHandle, VmError> {
     let mut pio = Bus::new();
     pio.insert(0x3f8, 8, serial.clone())
         .map_err(|e| VmError::Config(e.to_string()))?;
-    let mmio = Bus::new();
+    let mut mmio = Bus::new();
+    let mut disks = Vec::new();
+    for (name, d, base, irq, block) in blocks {
+        let dev_err = |msg: String| VmError::Disk {
+            name: name.clone(),
+            msg,
+        };
+        let irqfd = EventFd::new(EFD_NONBLOCK).map_err(io_err("eventfd"))?;
+        vm.register_irqfd(&irqfd, irq)
+            .map_err(kvm_err("KVM_IRQFD (virtio)"))?;
+        let dev: Arc<Mutex<dyn VirtioDevice>> = block.clone();
+        let transport =
+            MmioTransport::new(mem.clone(), dev, irqfd).map_err(|e| dev_err(e.to_string()))?;
+        for (q, evt) in transport.queue_events().iter().enumerate() {
+            vm.register_ioevent(evt, &IoEventAddress::Mmio(base + QUEUE_NOTIFY), q as u32)
+                .map_err(kvm_err("KVM_IOEVENTFD"))?;
+        }
+        mmio.insert(base, MMIO_WINDOW_SIZE, Arc::new(Mutex::new(transport)))
+            .map_err(|e| dev_err(e.to_string()))?;
+        disks.push((name, d, block));
+    }
 
     let shared_slot: Arc<Mutex<Option<std::sync::Weak<Shared>>>> = Arc::new(Mutex::new(None));
     let reset_target = shared_slot.clone();
@@ -560,7 +827,23 @@ pub fn start(cfg: &VmConfig) -> Result<VmHandle, VmError> {
     }));
     pio.insert(0x60, 5, Arc::new(Mutex::new(i8042)))
         .map_err(|e| VmError::Config(e.to_string()))?;
+    if cfg.acpi {
+        let pm_target = shared_slot.clone();
+        let pm = AcpiPm::new(Box::new(move || {
+            if let Some(s) = lock(&pm_target).as_ref().and_then(|w| w.upgrade()) {
+                // S5 is a clean stop, like the i8042 reset.
+                s.set_exit(ExitReason::GuestShutdown);
+            }
+        }));
+        pio.insert(
+            u64::from(acpi_pm::PORT_BASE),
+            u64::from(acpi_pm::PORT_LEN),
+            Arc::new(Mutex::new(pm)),
+        )
+        .map_err(|e| VmError::Config(e.to_string()))?;
+    }
 
+    let (control_tx, control_rx) = std::sync::mpsc::channel();
     let shared = Arc::new(Shared {
         pio,
         mmio,
@@ -574,6 +857,8 @@ pub fn start(cfg: &VmConfig) -> Result<VmHandle, VmError> {
         wake,
         pause_gate: Arc::new(Gate::new()),
         sched_gate: cfg.sched_gate.clone(),
+        disks,
+        control: Mutex::new(control_tx),
     });
     *lock(&shared_slot) = Some(Arc::downgrade(&shared));
     for g in shared.gates() {
@@ -654,7 +939,7 @@ pub fn start(cfg: &VmConfig) -> Result<VmHandle, VmError> {
     let stdin = cfg.console_stdin;
     let dev = std::thread::Builder::new()
         .name(format!("dev-{}", cfg.name))
-        .spawn(move || crate::devthread::run(sh, serial, stdin))
+        .spawn(move || crate::devthread::run(sh, serial, stdin, control_rx))
         .map_err(io_err("spawning the device thread"))?;
     threads.push(dev);
 
@@ -673,6 +958,10 @@ pub fn start(cfg: &VmConfig) -> Result<VmHandle, VmError> {
 impl Shared {
     pub(crate) fn wake_fd(&self) -> i32 {
         self.wake.as_raw_fd()
+    }
+
+    pub(crate) fn wake_device_thread(&self) {
+        let _ = self.wake.write(1);
     }
 
     pub(crate) fn clear_wake(&self) {
