@@ -40,8 +40,16 @@ struct Tracked {
     gate: Arc<Gate>,
     tids: Vec<libc::pid_t>,
     last: Vec<u64>,
+    /// Per vCPU: ticks since it last ran (saturating).
+    idle_ticks: Vec<u8>,
     runnable: u32,
 }
+
+/// A vCPU that ran at least this fraction (1/N) of a tick was runnable.
+const BUSY_FRACTION: u64 = 100;
+/// A vCPU counts as runnable for this many ticks after it last ran: on a
+/// contended host a runnable thread may get no CPU in a given tick.
+const RUNNABLE_MEMORY_TICKS: u8 = 3;
 
 struct Inner {
     sched: Scheduler,
@@ -122,12 +130,14 @@ impl CpuScheduler {
             .map(|t| thread_cpu_ns(*t).unwrap_or(0))
             .collect();
         let runnable = tids.len() as u32;
+        let idle_ticks = vec![0; tids.len()];
         lock(&self.inner).vms.insert(
             id,
             Tracked {
                 gate,
                 tids,
                 last,
+                idle_ticks,
                 runnable,
             },
         );
@@ -186,9 +196,15 @@ impl CpuScheduler {
                     continue; // thread gone: the VM is stopping
                 };
                 let prev = v.last.get(i).copied().unwrap_or(ns);
-                // A vCPU that ran at least a fifth of the tick was runnable.
-                if ns.saturating_sub(prev) * 5 >= tick_ns {
-                    busy += 1;
+                if let Some(idle) = v.idle_ticks.get_mut(i) {
+                    if ns.saturating_sub(prev) * BUSY_FRACTION >= tick_ns {
+                        *idle = 0;
+                    } else {
+                        *idle = idle.saturating_add(1);
+                    }
+                    if *idle < RUNNABLE_MEMORY_TICKS {
+                        busy += 1;
+                    }
                 }
                 if let Some(l) = v.last.get_mut(i) {
                     *l = ns;
