@@ -5,12 +5,18 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use clap::{Parser, Subcommand};
-use corral_vmm::{ExitReason, KernelSource, VmConfig};
 
+mod cli;
+mod client;
+mod demo;
+mod dto;
+mod metrics;
+mod run;
+mod server;
 mod term;
 
 /// The built-in default guest: the probe, built from guest-images/probe.
-static PROBE_ELF: &[u8] = include_bytes!(env!("CORRAL_PROBE_ELF"));
+pub(crate) static PROBE_ELF: &[u8] = include_bytes!(env!("CORRAL_PROBE_ELF"));
 
 #[derive(Parser, Debug)]
 #[command(
@@ -19,6 +25,15 @@ static PROBE_ELF: &[u8] = include_bytes!(env!("CORRAL_PROBE_ELF"));
     about = "KVM resource manager: VMs by class shares, exact I/O limits, REST API"
 )]
 struct Cli {
+    /// The daemon's Unix socket (client commands).
+    #[arg(long, global = true, env = "CORRAL_SOCKET")]
+    socket: Option<PathBuf>,
+    /// The daemon's TCP URL, e.g. http://127.0.0.1:7070 (client commands).
+    #[arg(long, global = true, env = "CORRAL_URL", conflicts_with = "socket")]
+    url: Option<String>,
+    /// JSON output for scripts (client commands).
+    #[arg(long, global = true)]
+    json: bool,
     #[command(subcommand)]
     cmd: Cmd,
 }
@@ -26,31 +41,42 @@ struct Cli {
 #[derive(Subcommand, Debug)]
 enum Cmd {
     /// Run one VM in the foreground with its console on stdout.
-    Run(RunArgs),
+    Run(run::RunArgs),
     /// Write the built-in probe guest's ELF image to a file.
     ExportProbe {
         /// Output file.
         path: PathBuf,
     },
+    /// Run the daemon: many VMs, the REST API on a Unix socket (and TCP).
+    Serve(ServeCmd),
+    /// VMs: create, list, show, rm, pause, resume, move, console.
+    #[command(subcommand)]
+    Vm(cli::VmCmd),
+    /// Resource classes: set, list, show, rm.
+    #[command(subcommand)]
+    Class(cli::ClassCmd),
+    /// Disks: change limits live.
+    #[command(subcommand)]
+    Disk(cli::DiskCmd),
+    /// Live per-VM and per-class CPU use, refreshed every second.
+    Top {
+        /// Print one sample and exit.
+        #[arg(long)]
+        once: bool,
+        /// Seconds between samples.
+        #[arg(long, default_value_t = 1.0)]
+        interval: f64,
+    },
+    /// The daemon's status.
+    Status,
+    /// Start a daemon, run VMs in two classes, show the figures, clean up.
+    Demo(demo::DemoArgs),
 }
 
 #[derive(clap::Args, Debug)]
-struct RunArgs {
-    /// Kernel image (ELF vmlinux or bzImage); default: the built-in probe guest.
-    #[arg(long)]
-    kernel: Option<PathBuf>,
-    /// Initial ramdisk.
-    #[arg(long)]
-    initrd: Option<PathBuf>,
-    /// Kernel command line (default: `console=ttyS0` for a kernel, empty for the probe).
-    #[arg(long)]
-    cmdline: Option<String>,
-    /// Number of vCPUs.
-    #[arg(long, default_value_t = 1)]
-    vcpus: u32,
-    /// Guest memory in MiB.
-    #[arg(long, default_value_t = 128)]
-    memory: u64,
+struct ServeCmd {
+    #[command(flatten)]
+    args: server::ServeArgs,
 }
 
 fn main() -> ExitCode {
@@ -62,8 +88,13 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
+    let builtin = || Arc::<[u8]>::from(PROBE_ELF);
+    let fail = |msg: String| {
+        eprintln!("corral: {msg}");
+        ExitCode::from(1)
+    };
     match cli.cmd {
-        Cmd::Run(a) => run(a),
+        Cmd::Run(a) => run::run(a),
         Cmd::ExportProbe { path } => match std::fs::write(&path, PROBE_ELF) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
@@ -71,64 +102,47 @@ fn main() -> ExitCode {
                 ExitCode::from(2)
             }
         },
-    }
-}
-
-fn run(a: RunArgs) -> ExitCode {
-    let fail = |msg: String| {
-        eprintln!("corral: {msg}");
-        ExitCode::from(2)
-    };
-    let vcpus = match u8::try_from(a.vcpus) {
-        Ok(v) => v,
-        Err(_) => {
-            return fail(format!(
-                "{} vCPUs is more than corral supports per VM (254)",
-                a.vcpus
-            ));
+        Cmd::Serve(s) => {
+            let mut args = s.args;
+            if let Some(p) = cli.socket {
+                args.socket = p;
+            }
+            match server::serve(args, builtin()) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => fail(e.to_string()),
+            }
         }
-    };
-    let (kernel, default_cmdline) = match a.kernel {
-        Some(p) => (KernelSource::Path(p), "console=ttyS0 reboot=k panic=-1"),
-        None => (KernelSource::Bytes(Arc::from(PROBE_ELF)), ""),
-    };
-    let mut cfg = VmConfig::new("run", kernel);
-    cfg.initrd = a.initrd;
-    cfg.cmdline = a.cmdline.unwrap_or_else(|| default_cmdline.to_string());
-    cfg.vcpus = vcpus;
-    cfg.memory_mib = a.memory;
-    cfg.console_stdout = true;
-    cfg.console_stdin = true;
-
-    let _raw = term::RawStdin::enable();
-    let vm = match corral_vmm::start(&cfg) {
-        Ok(vm) => vm,
-        Err(e) => return fail(e.to_string()),
-    };
-    let stop = term::on_terminate_signal();
-    loop {
-        if vm
-            .wait(Some(std::time::Duration::from_millis(50)))
-            .is_some()
-        {
-            break;
-        }
-        if let Some(sig) = stop.take() {
-            eprintln!("corral: stopping the VM on signal {sig}");
-            vm.stop();
-        }
-    }
-    let reason = vm.join();
-    drop(_raw);
-    match reason {
-        ExitReason::GuestShutdown => ExitCode::SUCCESS,
-        ExitReason::Stopped => {
-            eprintln!("corral: VM stopped before the guest shut down");
-            ExitCode::from(1)
-        }
-        r @ ExitReason::Fatal { .. } => {
-            eprintln!("corral: VM failed: {r}");
-            ExitCode::from(1)
+        Cmd::Demo(a) => match demo::demo(a, builtin()) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => fail(e.to_string()),
+        },
+        cmd => {
+            let client = match client::Client::from_args(cli.socket, cli.url) {
+                Ok(c) => c,
+                Err(e) => return fail(e.to_string()),
+            };
+            let rt = match tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            {
+                Ok(rt) => rt,
+                Err(e) => return fail(format!("tokio runtime: {e}")),
+            };
+            let json = cli.json;
+            let r = rt.block_on(async {
+                match cmd {
+                    Cmd::Vm(c) => cli::vm(&client, c, json).await,
+                    Cmd::Class(c) => cli::class(&client, c, json).await,
+                    Cmd::Disk(c) => cli::disk(&client, c, json).await,
+                    Cmd::Top { once, interval } => cli::top(&client, once, interval, json).await,
+                    Cmd::Status => cli::status(&client, json).await,
+                    _ => Ok(()),
+                }
+            });
+            match r {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => fail(e.to_string()),
+            }
         }
     }
 }

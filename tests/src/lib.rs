@@ -1,6 +1,9 @@
 //! Helpers for corral's end-to-end tests: find the `corral` binary, run it,
 //! read what the guest printed.
 
+pub mod api;
+pub mod vms;
+
 use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};

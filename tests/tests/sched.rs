@@ -20,7 +20,9 @@ fn secs() -> u64 {
 }
 
 fn host_cpus() -> f64 {
-    corral_scheduler::Capacity::from_affinity().unwrap().percent() as f64
+    corral_scheduler::Capacity::from_affinity()
+        .unwrap()
+        .percent() as f64
 }
 
 fn spin(s: u64) -> String {
@@ -31,8 +33,22 @@ fn shares_3_to_1(backend: Backend) -> (f64, f64) {
     let _g = HOST.lock().unwrap_or_else(|p| p.into_inner());
     let n = secs();
     let mut b = Bench::new(backend);
-    b.class("a", Class { shares: 3, cap: None, reservation: None });
-    b.class("b", Class { shares: 1, cap: None, reservation: None });
+    b.class(
+        "a",
+        Class {
+            shares: 3,
+            cap: None,
+            reservation: None,
+        },
+    );
+    b.class(
+        "b",
+        Class {
+            shares: 1,
+            cap: None,
+            reservation: None,
+        },
+    );
     b.launch("a", 2, 32, &spin(n + 10));
     b.launch("b", 2, 32, &spin(n + 10));
     let u = b.measure(Duration::from_millis(1500), Duration::from_secs(n));
@@ -51,7 +67,10 @@ fn shares_3_to_1(backend: Backend) -> (f64, f64) {
 #[test]
 fn gate_shares_3_to_1_gives_75_percent() {
     let (a, total) = shares_3_to_1(Backend::Gate);
-    assert!((a - 75.0).abs() <= 2.0, "A got {a:.2}% of the CPU, want 75 ± 2");
+    assert!(
+        (a - 75.0).abs() <= 2.0,
+        "A got {a:.2}% of the CPU, want 75 ± 2"
+    );
     assert!(total >= host_cpus() * 0.9, "host under-used: {total:.0}%");
 }
 
@@ -71,20 +90,56 @@ fn gate_cap_holds_and_idle_host_goes_to_the_other() {
     let _g = HOST.lock().unwrap_or_else(|p| p.into_inner());
     let n = secs();
     let mut b = Bench::new(Backend::Gate);
-    b.class("a", Class { shares: 1, cap: None, reservation: None });
-    b.class("b", Class { shares: 1, cap: Some(50), reservation: None });
+    b.class(
+        "a",
+        Class {
+            shares: 1,
+            cap: None,
+            reservation: None,
+        },
+    );
+    b.class(
+        "b",
+        Class {
+            shares: 1,
+            cap: Some(50),
+            reservation: None,
+        },
+    );
     b.launch("a", 2, 32, &spin(n + 10));
     b.launch("b", 2, 32, &spin(n + 10));
     let u = b.measure(Duration::from_millis(1500), Duration::from_secs(n));
     eprintln!("cap 50 on B: A {:.1}% B {:.1}%", u[0], u[1]);
-    assert!(u[1] <= 51.0, "B used {:.2}% of one CPU with a 50% cap", u[1]);
-    assert!(u[0] >= host_cpus() - 50.0 - 10.0, "A should get the rest: {:.1}%", u[0]);
+    assert!(
+        u[1] <= 51.0,
+        "B used {:.2}% of one CPU with a 50% cap",
+        u[1]
+    );
+    assert!(
+        u[0] >= host_cpus() - 50.0 - 10.0,
+        "A should get the rest: {:.1}%",
+        u[0]
+    );
 
     // Work conservation: B idle (its guest done), A alone gets all the CPU.
     let _g2 = ();
     let mut c = Bench::new(Backend::Gate);
-    c.class("a", Class { shares: 1, cap: None, reservation: None });
-    c.class("b", Class { shares: 3, cap: None, reservation: None });
+    c.class(
+        "a",
+        Class {
+            shares: 1,
+            cap: None,
+            reservation: None,
+        },
+    );
+    c.class(
+        "b",
+        Class {
+            shares: 3,
+            cap: None,
+            reservation: None,
+        },
+    );
     c.launch("a", 2, 32, &spin(n + 10));
     c.launch("b", 2, 32, "probe.mode=boot");
     drop(b);
@@ -103,14 +158,38 @@ fn gate_reservation_is_honoured_under_contention() {
     let _g = HOST.lock().unwrap_or_else(|p| p.into_inner());
     let n = secs();
     let mut b = Bench::new(Backend::Gate);
-    b.class("res", Class { shares: 1, cap: None, reservation: Some(100) });
-    b.class("x", Class { shares: 10, cap: None, reservation: None });
-    b.class("y", Class { shares: 10, cap: None, reservation: None });
+    b.class(
+        "res",
+        Class {
+            shares: 1,
+            cap: None,
+            reservation: Some(100),
+        },
+    );
+    b.class(
+        "x",
+        Class {
+            shares: 10,
+            cap: None,
+            reservation: None,
+        },
+    );
+    b.class(
+        "y",
+        Class {
+            shares: 10,
+            cap: None,
+            reservation: None,
+        },
+    );
     b.launch("res", 2, 32, &spin(n + 10));
     b.launch("x", 2, 32, &spin(n + 10));
     b.launch("y", 2, 32, &spin(n + 10));
     let u = b.measure(Duration::from_millis(1500), Duration::from_secs(n));
-    eprintln!("reservation 100: res {:.1}% x {:.1}% y {:.1}%", u[0], u[1], u[2]);
+    eprintln!(
+        "reservation 100: res {:.1}% x {:.1}% y {:.1}%",
+        u[0], u[1], u[2]
+    );
     assert!(u[0] >= 98.0, "reserved class got {:.1}% of one CPU", u[0]);
 }
 
@@ -129,7 +208,14 @@ fn gate_job_beside_a_hog_is_not_starved() {
     let work = format!("probe.mode=work probe.units={units}");
     // Solo time, host wall clock.
     let mut solo = Bench::new(Backend::Gate);
-    solo.class("job", Class { shares: 3, cap: None, reservation: None });
+    solo.class(
+        "job",
+        Class {
+            shares: 3,
+            cap: None,
+            reservation: None,
+        },
+    );
     let t0 = Instant::now();
     let i = solo.launch("job", 2, 32, &work);
     let out = solo.wait(i, Duration::from_secs(120));
@@ -138,8 +224,22 @@ fn gate_job_beside_a_hog_is_not_starved() {
     drop(solo);
 
     let mut b = Bench::new(Backend::Gate);
-    b.class("job", Class { shares: 3, cap: None, reservation: None });
-    b.class("hog", Class { shares: 1, cap: None, reservation: None });
+    b.class(
+        "job",
+        Class {
+            shares: 3,
+            cap: None,
+            reservation: None,
+        },
+    );
+    b.class(
+        "hog",
+        Class {
+            shares: 1,
+            cap: None,
+            reservation: None,
+        },
+    );
     b.launch("hog", 2, 32, &spin(600));
     std::thread::sleep(Duration::from_millis(500));
     let t0 = Instant::now();
@@ -151,15 +251,32 @@ fn gate_job_beside_a_hog_is_not_starved() {
         "job alone {solo_ms:.0} ms (guest {solo_guest} ms), beside a hog with shares 3:1 {with_ms:.0} ms (guest {} ms), bound {bound:.0} ms",
         job_ms(&out)
     );
-    assert!(with_ms <= bound, "job took {with_ms:.0} ms, bound {bound:.0} ms");
+    assert!(
+        with_ms <= bound,
+        "job took {with_ms:.0} ms, bound {bound:.0} ms"
+    );
 }
 
 #[test]
 fn scheduler_thread_is_cheap_with_100_vcpus() {
     let _g = HOST.lock().unwrap_or_else(|p| p.into_inner());
     let mut b = Bench::new(Backend::Gate);
-    b.class("a", Class { shares: 2, cap: None, reservation: None });
-    b.class("b", Class { shares: 1, cap: None, reservation: None });
+    b.class(
+        "a",
+        Class {
+            shares: 2,
+            cap: None,
+            reservation: None,
+        },
+    );
+    b.class(
+        "b",
+        Class {
+            shares: 1,
+            cap: None,
+            reservation: None,
+        },
+    );
     for i in 0..25 {
         b.launch(if i % 2 == 0 { "a" } else { "b" }, 4, 16, &spin(30));
     }
@@ -182,8 +299,22 @@ fn scheduler_thread_is_cheap_with_100_vcpus() {
 #[ignore]
 fn debug_gate_stats() {
     let mut b = Bench::new(Backend::Gate);
-    b.class("a", Class { shares: 3, cap: None, reservation: None });
-    b.class("b", Class { shares: 1, cap: None, reservation: None });
+    b.class(
+        "a",
+        Class {
+            shares: 3,
+            cap: None,
+            reservation: None,
+        },
+    );
+    b.class(
+        "b",
+        Class {
+            shares: 1,
+            cap: None,
+            reservation: None,
+        },
+    );
     b.launch("a", 2, 32, &spin(20));
     b.launch("b", 2, 32, &spin(20));
     for _ in 0..10 {
@@ -192,7 +323,13 @@ fn debug_gate_stats() {
         for v in &st.vms {
             eprintln!(
                 "vm{} ent {:.1} used {:.1} credit {:.1}ms parked {} parks {} runnable {}",
-                v.vm.0, v.entitlement_pct, v.used_pct, v.credit_ns as f64 / 1e6, v.parked, v.park_count, v.runnable_vcpus
+                v.vm.0,
+                v.entitlement_pct,
+                v.used_pct,
+                v.credit_ns as f64 / 1e6,
+                v.parked,
+                v.park_count,
+                v.runnable_vcpus
             );
         }
         let c: Vec<u64> = b.vms.iter().map(|v| v.cpu_ns() / 1_000_000).collect();

@@ -155,6 +155,22 @@ impl IoLimits {
         Ok(())
     }
 
+    /// The throttle crate's form.
+    pub fn to_blk(&self) -> corral_blkthrottle::Limits {
+        corral_blkthrottle::Limits {
+            bps: self.bps,
+            iops: self.iops,
+            rbps: self.rbps,
+            wbps: self.wbps,
+            riops: self.riops,
+            wiops: self.wiops,
+            burst_bytes: self.burst_bytes,
+            burst_ops: self.burst_ops,
+            onetime_bytes: None,
+            onetime_ops: None,
+        }
+    }
+
     /// True if no rate is limited.
     pub fn is_unlimited(&self) -> bool {
         [
@@ -311,10 +327,14 @@ pub struct SchedFigures {
 }
 
 /// A disk as the manager holds it.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub struct DiskInfo {
     /// The configuration (limits are the current ones).
     pub config: DiskConfig,
+    /// Size in bytes (0 if unknown).
+    pub capacity_bytes: u64,
+    /// Throttle counters, when the VM has the disk attached.
+    pub stats: Option<corral_blkthrottle::Stats>,
 }
 
 /// Snapshot of one VM.
@@ -445,6 +465,7 @@ struct Entry {
 impl Entry {
     fn state(&self) -> (VmState, Option<ExitReason>) {
         match self.handle.exit_reason() {
+            None if self.handle.is_paused() => (VmState::Paused, None),
             None => (VmState::Running, None),
             Some(r) => {
                 let s = match r {
@@ -455,6 +476,21 @@ impl Entry {
                 (s, Some(r))
             }
         }
+    }
+
+    /// The disks with the VMM's live counters.
+    fn disks_now(&self) -> Vec<DiskInfo> {
+        let mut disks = lock(&self.disks).clone();
+        if disks.is_empty() {
+            return disks;
+        }
+        for live in self.handle.disks() {
+            if let Some(d) = disks.iter_mut().find(|d| d.config.id == live.name) {
+                d.capacity_bytes = live.capacity_bytes;
+                d.stats = Some(live.stats);
+            }
+        }
+        disks
     }
 
     /// CPU time of the vCPU threads, in ns.
@@ -542,7 +578,7 @@ pub fn validate_name(what: &str, name: &str) -> Result<(), ManagerError> {
 
 /// Whether the VMM can attach virtio-blk disks yet. Flip when `VmConfig`
 /// carries disks.
-const DISKS_SUPPORTED: bool = false;
+const DISKS_SUPPORTED: bool = true;
 
 impl Manager {
     /// A manager with its initial classes.
@@ -756,7 +792,7 @@ impl Manager {
             kernel: e.request.kernel.clone(),
             initrd: e.request.initrd.clone(),
             cmdline: e.cmdline.clone(),
-            disks: lock(&e.disks).clone(),
+            disks: e.disks_now(),
             created: e.created,
             uptime: running.then(|| e.handle.uptime()),
             cpu_secs: e.cpu_ns(running).max(sched_cpu_ns) as f64 / 1e9,
@@ -865,6 +901,10 @@ impl Manager {
             }
             if let Some(g) = &d.group {
                 validate_name("group name", g)?;
+                return Err(ManagerError::Unsupported(format!(
+                    "disk {}: named I/O groups are not available yet (group {g:?})",
+                    d.id
+                )));
             }
             d.limits.validate()?;
             let meta = std::fs::metadata(&d.path).map_err(|e| {
@@ -962,7 +1002,11 @@ impl Manager {
                     disks: Mutex::new(
                         req.disks
                             .iter()
-                            .map(|d| DiskInfo { config: d.clone() })
+                            .map(|d| DiskInfo {
+                                config: d.clone(),
+                                capacity_bytes: 0,
+                                stats: None,
+                            })
                             .collect(),
                     ),
                     cpu_ns: Mutex::new(vec![0; n]),
@@ -1015,6 +1059,21 @@ impl Manager {
         cfg.vcpus = vcpus;
         cfg.memory_mib = req.memory_mib;
         cfg.console_log_bytes = self.cfg.console_log_bytes;
+        cfg.disks = req
+            .disks
+            .iter()
+            .map(|d| crate::vm::DiskConfig {
+                spec: corral_devices::virtio::blk::DiskSpec {
+                    path: d.path.clone(),
+                    read_only: d.readonly,
+                    direct: d.direct,
+                    id: Some(d.id.clone()),
+                    options: Vec::new(),
+                },
+                limits: d.limits.to_blk(),
+                group: None,
+            })
+            .collect();
         let handle = crate::vm::start(&cfg)?;
         tracing::info!(
             vm = name,
@@ -1043,20 +1102,34 @@ impl Manager {
         Ok(self.vm_info(&e, None))
     }
 
-    /// Pauses a VM's vCPUs. Needs `VmHandle::pause` in the VMM.
+    /// Pauses a VM's vCPUs (idempotent); 409 if it has stopped.
     pub fn pause_vm(&self, name: &str) -> Result<VmInfo, ManagerError> {
-        let _ = self.entry(name)?;
-        Err(ManagerError::Unsupported(
-            "pausing is not available yet: the VMM has no vCPU pause gate".into(),
-        ))
+        let e = self.entry(name)?;
+        if e.handle.exit_reason().is_some() {
+            return Err(ManagerError::Conflict(format!(
+                "VM {name:?} has stopped; only a running VM can be paused"
+            )));
+        }
+        if e.handle.pause() {
+            tracing::info!(vm = name, "VM paused");
+        }
+        let stats = self.sched().stats();
+        Ok(self.vm_info(&e, Some(&stats)))
     }
 
-    /// Resumes a paused VM. Needs `VmHandle::resume` in the VMM.
+    /// Resumes a paused VM (idempotent); 409 if it has stopped.
     pub fn resume_vm(&self, name: &str) -> Result<VmInfo, ManagerError> {
-        let _ = self.entry(name)?;
-        Err(ManagerError::Unsupported(
-            "resuming is not available yet: the VMM has no vCPU pause gate".into(),
-        ))
+        let e = self.entry(name)?;
+        if e.handle.exit_reason().is_some() {
+            return Err(ManagerError::Conflict(format!(
+                "VM {name:?} has stopped; it cannot be resumed"
+            )));
+        }
+        if e.handle.resume() {
+            tracing::info!(vm = name, "VM resumed");
+        }
+        let stats = self.sched().stats();
+        Ok(self.vm_info(&e, Some(&stats)))
     }
 
     /// Moves a VM to another class (live), optionally with a new weight.
@@ -1109,15 +1182,30 @@ impl Manager {
     ) -> Result<DiskInfo, ManagerError> {
         limits.validate()?;
         let e = self.entry(name)?;
-        let mut disks = lock(&e.disks);
-        let d = disks
-            .iter_mut()
+        if !lock(&e.disks).iter().any(|d| d.config.id == disk) {
+            return Err(ManagerError::NotFound(format!(
+                "VM {name:?} has no disk {disk:?}"
+            )));
+        }
+        if e.handle.exit_reason().is_some() {
+            return Err(ManagerError::Conflict(format!(
+                "VM {name:?} has stopped; its disks cannot change"
+            )));
+        }
+        // The device thread swaps the limits between two requests and
+        // answers once applied.
+        e.handle.set_disk_limits(disk, limits.to_blk())?;
+        {
+            let mut disks = lock(&e.disks);
+            if let Some(d) = disks.iter_mut().find(|d| d.config.id == disk) {
+                d.config.limits = limits;
+            }
+        }
+        tracing::info!(vm = name, disk, "disk limits changed");
+        e.disks_now()
+            .into_iter()
             .find(|d| d.config.id == disk)
-            .ok_or_else(|| ManagerError::NotFound(format!("VM {name:?} has no disk {disk:?}")))?;
-        // When disks are wired, the new limits go to the VM's device thread
-        // here (VmHandle::set_disk_limits); until then no VM has disks.
-        d.config.limits = limits;
-        Ok(d.clone())
+            .ok_or_else(|| ManagerError::NotFound(format!("VM {name:?} has no disk {disk:?}")))
     }
 
     /// Host-wide figures.

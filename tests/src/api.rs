@@ -1,0 +1,274 @@
+//! Helpers for the REST API tests: start `corral serve` on a private socket,
+//! and a minimal blocking HTTP/1.1 client over the Unix socket (keep-alive,
+//! Content-Length and chunked bodies).
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// A `corral serve` process on a private socket; killed (SIGTERM, then
+/// SIGKILL) when dropped.
+pub struct Daemon {
+    /// The process.
+    pub child: Child,
+    /// Its socket.
+    pub socket: PathBuf,
+    dir: PathBuf,
+}
+
+impl Daemon {
+    /// Starts a daemon with extra `serve` arguments and waits until its
+    /// socket answers.
+    pub fn start(extra: &[&str]) -> Self {
+        static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let dir = std::env::temp_dir().join(format!("corral-api-{}-{n}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let socket = dir.join("corral.sock");
+        let mut args = vec!["serve", "--socket", socket.to_str().expect("utf-8 path")];
+        args.extend_from_slice(extra);
+        let child = Command::new(crate::corral_bin())
+            .args(&args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn corral serve");
+        let d = Daemon { child, socket, dir };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while UnixStream::connect(&d.socket).is_err() {
+            assert!(Instant::now() < deadline, "corral serve did not come up");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        d
+    }
+
+    /// A new connection.
+    pub fn conn(&self) -> Conn {
+        Conn::new(&self.socket)
+    }
+
+    /// One request on a fresh connection.
+    pub fn req(&self, method: &str, path: &str, body: Option<&str>) -> Resp {
+        self.conn().req(method, path, body)
+    }
+
+    /// Sends SIGTERM and waits for the exit (up to `timeout`); returns the
+    /// exit status, or None if it had to be killed.
+    pub fn terminate(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
+        // SAFETY: kill(2) on our own child.
+        unsafe {
+            libc::kill(self.child.id() as i32, libc::SIGTERM);
+        }
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Ok(Some(s)) = self.child.try_wait() {
+                return Some(s);
+            }
+            if Instant::now() > deadline {
+                let _ = self.child.kill();
+                let _ = self.child.wait();
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            self.terminate(Duration::from_secs(10));
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// A response.
+#[derive(Debug, Clone)]
+pub struct Resp {
+    /// Status code.
+    pub status: u16,
+    /// Headers, names lower-case.
+    pub headers: Vec<(String, String)>,
+    /// Body.
+    pub body: Vec<u8>,
+}
+
+impl Resp {
+    /// The body as text.
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+
+    /// The body as JSON (panics with the body if it is not).
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {}", self.text()))
+    }
+
+    /// A header.
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.as_str())
+    }
+
+    /// Asserts the API error shape and code; returns the message.
+    pub fn assert_error(&self, status: u16, code: &str) -> String {
+        assert_eq!(self.status, status, "status; body: {}", self.text());
+        let j = self.json();
+        assert_eq!(j["error"]["code"].as_str(), Some(code), "error code in {j}");
+        let msg = j["error"]["message"]
+            .as_str()
+            .unwrap_or_else(|| panic!("no error.message in {j}"));
+        assert!(!msg.is_empty());
+        msg.to_string()
+    }
+}
+
+/// Called with each chunk of a streamed body; false stops reading.
+pub type OnChunk<'a> = dyn FnMut(&[u8]) -> bool + 'a;
+
+/// One keep-alive HTTP/1.1 connection.
+pub struct Conn {
+    r: BufReader<UnixStream>,
+    w: UnixStream,
+}
+
+impl Conn {
+    /// Connects.
+    pub fn new(socket: &Path) -> Self {
+        let s = UnixStream::connect(socket).expect("connect to corral");
+        s.set_read_timeout(Some(Duration::from_secs(60))).ok();
+        let w = s.try_clone().expect("clone stream");
+        Conn {
+            r: BufReader::new(s),
+            w,
+        }
+    }
+
+    /// Sends a request and reads the whole response.
+    pub fn req(&mut self, method: &str, path: &str, body: Option<&str>) -> Resp {
+        self.send(method, path, body);
+        self.read_response(None)
+    }
+
+    /// Sends a request.
+    pub fn send(&mut self, method: &str, path: &str, body: Option<&str>) {
+        let mut head = format!("{method} {path} HTTP/1.1\r\nHost: localhost\r\n");
+        if let Some(b) = body {
+            head += &format!(
+                "Content-Type: application/json\r\nContent-Length: {}\r\n",
+                b.len()
+            );
+        }
+        head += "\r\n";
+        self.w.write_all(head.as_bytes()).expect("write request");
+        if let Some(b) = body {
+            self.w.write_all(b.as_bytes()).expect("write body");
+        }
+    }
+
+    /// Reads a response. With `on_chunk`, each chunk of a chunked body is
+    /// passed to it as it arrives; returning false stops reading (the
+    /// connection is then unusable).
+    pub fn read_response(&mut self, mut on_chunk: Option<&mut OnChunk<'_>>) -> Resp {
+        let mut line = String::new();
+        self.r.read_line(&mut line).expect("status line");
+        let status: u16 = line
+            .split_whitespace()
+            .nth(1)
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| panic!("bad status line {line:?}"));
+        let mut headers = Vec::new();
+        loop {
+            let mut h = String::new();
+            self.r.read_line(&mut h).expect("header");
+            let h = h.trim_end();
+            if h.is_empty() {
+                break;
+            }
+            if let Some((k, v)) = h.split_once(':') {
+                headers.push((k.trim().to_ascii_lowercase(), v.trim().to_string()));
+            }
+        }
+        let get = |n: &str| headers.iter().find(|(k, _)| k == n).map(|(_, v)| v.clone());
+        let mut body = Vec::new();
+        if status == 204 || status == 304 || (100..200).contains(&status) {
+            // No body.
+        } else if get("transfer-encoding").is_some_and(|v| v.contains("chunked")) {
+            loop {
+                let mut sz = String::new();
+                self.r.read_line(&mut sz).expect("chunk size");
+                let n = usize::from_str_radix(sz.trim().split(';').next().unwrap_or(""), 16)
+                    .unwrap_or_else(|_| panic!("bad chunk size {sz:?}"));
+                let mut chunk = vec![0; n + 2];
+                self.r.read_exact(&mut chunk).expect("chunk");
+                chunk.truncate(n);
+                if n == 0 {
+                    break;
+                }
+                if let Some(f) = on_chunk.as_mut()
+                    && !f(&chunk)
+                {
+                    body.extend_from_slice(&chunk);
+                    return Resp {
+                        status,
+                        headers,
+                        body,
+                    };
+                }
+                body.extend_from_slice(&chunk);
+            }
+        } else if let Some(n) = get("content-length").and_then(|v| v.parse::<usize>().ok()) {
+            body.resize(n, 0);
+            self.r.read_exact(&mut body).expect("body");
+        } else {
+            self.r.read_to_end(&mut body).expect("body");
+        }
+        Resp {
+            status,
+            headers,
+            body,
+        }
+    }
+}
+
+/// A probe VM body: `vcpus` spinning for `secs` seconds.
+pub fn spin_vm(name: &str, class: &str, vcpus: u32, memory_mib: u64, secs: u32) -> String {
+    serde_json::json!({
+        "name": name,
+        "class": class,
+        "vcpus": vcpus,
+        "memory_mib": memory_mib,
+        "cmdline": format!("probe.mode=spin probe.secs={secs} probe.interval_ms=500"),
+    })
+    .to_string()
+}
+
+/// Polls `f` until it returns Some, up to `timeout`.
+pub fn wait_until<T>(timeout: Duration, mut f: impl FnMut() -> Option<T>) -> Option<T> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(v) = f() {
+            return Some(v);
+        }
+        if Instant::now() > deadline {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Percentile (0..=100) of sorted durations.
+pub fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    if sorted.is_empty() {
+        return Duration::ZERO;
+    }
+    let i = ((p / 100.0) * (sorted.len() - 1) as f64).round() as usize;
+    sorted[i.min(sorted.len() - 1)]
+}
