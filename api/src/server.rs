@@ -465,6 +465,10 @@ pub struct ServeArgs {
     /// Guest memory budget in MiB (default: host memory).
     #[arg(long)]
     pub memory_budget: Option<u64>,
+    /// How CPU shares are enforced: `gate` (corral's scheduler thread),
+    /// `cgroup` (Linux cgroups), or `none` (host scheduler only).
+    #[arg(long, default_value = "gate")]
+    pub cpu_backend: corral_vmm::manager::CpuBackend,
 }
 
 /// Errors of `corral serve`.
@@ -619,6 +623,7 @@ pub fn serve(args: ServeArgs, builtin: Arc<[u8]>) -> Result<(), ServeError> {
         max_vms: args.max_vms,
         memory_budget_mib: args.memory_budget,
         builtin_kernel: Some(builtin),
+        cpu_backend: args.cpu_backend,
         ..Default::default()
     };
     let mgr = Arc::new(Manager::new(cfg)?);

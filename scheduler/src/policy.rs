@@ -457,6 +457,11 @@ pub struct Policy {
     ent_dirty: bool,
     /// Extra admission (percent) learnt from CPU left idle while VMs waited.
     margin: f64,
+    /// The host's measured idle CPU over the coming tick, percent, if the
+    /// caller measures it (e.g. from /proc/stat). Without it, idle is
+    /// inferred as capacity minus the VMs' usage, which overstates it when
+    /// other processes use the host.
+    measured_idle_pct: Option<f64>,
     // Scratch buffers, reused between ticks.
     items: Vec<Wf>,
     shares: Vec<f64>,
@@ -485,6 +490,7 @@ impl Policy {
             ticks: 0,
             ent_dirty: true,
             margin: 0.0,
+            measured_idle_pct: None,
             items: Vec::new(),
             shares: Vec::new(),
             events: Vec::new(),
@@ -578,6 +584,13 @@ impl Policy {
                 c.start = 0;
             }
         }
+    }
+
+    /// Tells the next tick how much host CPU was really idle during it
+    /// (percent of one CPU), so that CPU used by other processes is not
+    /// mistaken for CPU the VMs left idle.
+    pub fn set_measured_idle(&mut self, idle_pct: Option<f64>) {
+        self.measured_idle_pct = idle_pct;
     }
 
     /// Runs one tick at time `now_ns` with the given usage reports and
@@ -763,7 +776,10 @@ impl Policy {
             }
         }
         // Below 1 % of a CPU the idle time is measurement noise.
-        let idle_pct = self.capacity_pct - used_total / dtf * 100.0;
+        let mut idle_pct = self.capacity_pct - used_total / dtf * 100.0;
+        if let Some(m) = self.measured_idle_pct.take() {
+            idle_pct = idle_pct.min(m);
+        }
         let idle_pct = if idle_pct < 1.0 { 0.0 } else { idle_pct };
         let wasted_pct = idle_pct.min(waiting);
         self.margin += alpha * (wasted_pct - self.margin);
@@ -876,6 +892,14 @@ impl Policy {
         let target = *capacity_pct + MARGIN_GAIN * *margin - 1e-6;
         for &(_, _, i) in candidates.iter() {
             if admitted >= target {
+                break;
+            }
+            // Past the capacity, the learnt margin admits a further VM only
+            // if at least half of its demand fits in it: a margin of a few
+            // percent (measurement noise on a busy host) must not let a VM
+            // that is out of credit run a whole tick.
+            if admitted >= *capacity_pct - 1e-6 && admitted + 0.5 * vms[i as usize].demand > target
+            {
                 break;
             }
             let vm = &mut vms[i as usize];

@@ -123,6 +123,12 @@ impl Scheduler {
         self.policy.tick(&self.model, now_ns, usages)
     }
 
+    /// The host's measured idle CPU during the coming tick; see
+    /// [`Policy::set_measured_idle`].
+    pub fn set_measured_idle(&mut self, idle_pct: Option<f64>) {
+        self.policy.set_measured_idle(idle_pct);
+    }
+
     /// VM ids in tick order; see [`Policy::vm_order`].
     pub fn vm_order(&self) -> impl Iterator<Item = VmId> + '_ {
         self.policy.vm_order()

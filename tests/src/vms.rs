@@ -88,7 +88,7 @@ impl Bench {
     pub fn new(backend: Backend) -> Self {
         let cap = Capacity::from_affinity().expect("affinity");
         let sched = Scheduler::new(cap, PolicyConfig::default()).expect("scheduler");
-        let cpu = CpuScheduler::new(sched);
+        let cpu = CpuScheduler::new(Arc::new(std::sync::Mutex::new(sched)));
         if backend == Backend::Gate {
             cpu.start().expect("start scheduler thread");
         }

@@ -52,6 +52,12 @@ fn shares_3_to_1(backend: Backend) -> (f64, f64) {
     b.launch("a", 2, 32, &spin(n + 10));
     b.launch("b", 2, 32, &spin(n + 10));
     let u = b.measure(Duration::from_millis(1500), Duration::from_secs(n));
+    for v in b.cpu().with(|s| s.stats()).vms {
+        eprintln!(
+            "  vm{} ent {:.1} used {:.1} parked {} parks {} runnable {}",
+            v.vm.0, v.entitlement_pct, v.used_pct, v.parked, v.park_count, v.runnable_vcpus
+        );
+    }
     let total: f64 = u.iter().sum();
     let share_a = u[0] * 100.0 / total;
     eprintln!(

@@ -30,6 +30,23 @@ pub fn thread_cpu_ns(tid: libc::pid_t) -> Option<u64> {
     (r == 0).then(|| ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64)
 }
 
+/// Idle time of all host CPUs (idle + iowait) in ns, from /proc/stat.
+pub fn host_idle_ns() -> Option<u64> {
+    use std::io::Read;
+    let mut f = std::fs::File::open("/proc/stat").ok()?;
+    let mut buf = [0u8; 256];
+    let n = f.read(&mut buf).ok()?;
+    let line = std::str::from_utf8(&buf[..n]).ok()?.lines().next()?;
+    let mut it = line.split_whitespace();
+    if it.next()? != "cpu" {
+        return None;
+    }
+    let v: Vec<u64> = it.take(5).filter_map(|x| x.parse().ok()).collect();
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
+    Some((v.get(3)? + v.get(4)?) * 1_000_000_000 / hz)
+}
+
 /// CPU time of the calling thread, in ns.
 pub fn own_thread_cpu_ns() -> u64 {
     // SAFETY: gettid has no preconditions.
@@ -52,16 +69,19 @@ const BUSY_FRACTION: u64 = 100;
 const RUNNABLE_MEMORY_TICKS: u8 = 3;
 
 struct Inner {
-    sched: Scheduler,
     vms: HashMap<VmId, Tracked>,
     usages: Vec<VmUsage>,
     /// CPU time the scheduler thread itself used, ns.
     self_cpu_ns: u64,
+    /// Host idle time (all CPUs, ns) at the last tick, from /proc/stat.
+    last_idle_ns: Option<u64>,
+    last_tick_ns: u64,
     ticks: u64,
 }
 
 /// The scheduler service: policy state plus the tick thread.
 pub struct CpuScheduler {
+    sched: Arc<Mutex<Scheduler>>,
     inner: Mutex<Inner>,
     stop: AtomicBool,
     thread: Mutex<Option<JoinHandle<()>>>,
@@ -75,15 +95,19 @@ impl std::fmt::Debug for CpuScheduler {
 }
 
 impl CpuScheduler {
-    /// A scheduler service around `sched`; call [`start`](Self::start) to run ticks.
-    pub fn new(sched: Scheduler) -> Arc<Self> {
+    /// A scheduler service around `sched` (shared with the manager, which
+    /// changes the model); call [`start`](Self::start) to run ticks. Lock
+    /// order: this service's state, then `sched`.
+    pub fn new(sched: Arc<Mutex<Scheduler>>) -> Arc<Self> {
         Arc::new(Self {
+            sched,
             inner: Mutex::new(Inner {
-                sched,
                 vms: HashMap::new(),
                 usages: Vec::new(),
                 self_cpu_ns: 0,
                 ticks: 0,
+                last_idle_ns: None,
+                last_tick_ns: 0,
             }),
             stop: AtomicBool::new(false),
             thread: Mutex::new(None),
@@ -93,7 +117,7 @@ impl CpuScheduler {
 
     /// Runs `f` on the policy state (model changes, stats).
     pub fn with<R>(&self, f: impl FnOnce(&mut Scheduler) -> R) -> R {
-        f(&mut lock(&self.inner).sched)
+        f(&mut lock(&self.sched))
     }
 
     /// Starts the tick thread (idempotent).
@@ -219,7 +243,20 @@ impl CpuScheduler {
                 .usages
                 .push(VmUsage::total(*id, total, runnable > 0).with_runnable_vcpus(runnable));
         }
-        let out = inner.sched.tick(now, &inner.usages);
+        // Real host idle time, so that CPU taken by other processes is not
+        // mistaken for CPU our VMs left unused.
+        let idle = host_idle_ns();
+        let measured = match (idle, inner.last_idle_ns) {
+            (Some(i), Some(l)) if now > inner.last_tick_ns => {
+                Some(i.saturating_sub(l) as f64 * 100.0 / (now - inner.last_tick_ns) as f64)
+            }
+            _ => None,
+        };
+        inner.last_idle_ns = idle;
+        inner.last_tick_ns = now;
+        let mut sched = lock(&self.sched);
+        sched.set_measured_idle(measured);
+        let out = sched.tick(now, &inner.usages);
         for c in out.changes() {
             if let Some(v) = inner.vms.get(&c.vm) {
                 match c.action {

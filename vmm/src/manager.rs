@@ -27,7 +27,10 @@ use corral_scheduler::{
     Capacity, ClassSpec, ModelError, PolicyConfig, Scheduler, Stats, VmId, VmSpec,
 };
 
+use crate::cgroup::CgroupBackend;
+use crate::cpusched::CpuScheduler;
 use crate::vm::{ExitReason, KernelSource, VmConfig, VmError, VmHandle};
+use corral_scheduler::Gate;
 
 /// Default kernel command line when a kernel file is given without one.
 pub const DEFAULT_LINUX_CMDLINE: &str = "console=ttyS0 reboot=k panic=-1";
@@ -266,6 +269,33 @@ pub struct ManagerConfig {
     pub initial_classes: Vec<(String, ClassConfig)>,
     /// Console bytes kept per VM.
     pub console_log_bytes: usize,
+    /// How CPU shares are enforced.
+    pub cpu_backend: CpuBackend,
+}
+
+/// How the manager enforces CPU shares, caps and reservations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CpuBackend {
+    /// corral's scheduler thread parks and unparks VMs (default).
+    #[default]
+    Gate,
+    /// Linux cgroups (cpu.weight / cpu.max, or cpu.shares / cfs quota);
+    /// reservations are admission-checked but not enforced.
+    Cgroup,
+    /// Nothing: the host scheduler alone (for comparisons).
+    None,
+}
+
+impl std::str::FromStr for CpuBackend {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "gate" => Ok(Self::Gate),
+            "cgroup" => Ok(Self::Cgroup),
+            "none" => Ok(Self::None),
+            o => Err(format!("unknown CPU backend {o:?} (gate, cgroup, none)")),
+        }
+    }
 }
 
 impl Default for ManagerConfig {
@@ -279,6 +309,7 @@ impl Default for ManagerConfig {
             builtin_kernel: None,
             initial_classes: vec![("default".into(), ClassConfig::default())],
             console_log_bytes: 256 * 1024,
+            cpu_backend: CpuBackend::Gate,
         }
     }
 }
@@ -521,6 +552,10 @@ struct State {
 pub struct Manager {
     state: Mutex<State>,
     sched: Arc<Mutex<Scheduler>>,
+    /// The gate backend's scheduler thread (ticks only with `CpuBackend::Gate`).
+    cpu: Arc<CpuScheduler>,
+    /// The cgroup backend, with `CpuBackend::Cgroup`.
+    cgroup: Option<CgroupBackend>,
     cfg: ManagerConfig,
     memory_budget_mib: u64,
 }
@@ -605,9 +640,29 @@ impl Manager {
             .memory_budget_mib
             .or_else(crate::vm::host_memory_mib)
             .unwrap_or(u64::MAX);
+        let cgroup = match cfg.cpu_backend {
+            CpuBackend::Cgroup => {
+                let cg = CgroupBackend::new(&std::process::id().to_string())
+                    .map_err(|e| ManagerError::Invalid(format!("cgroup backend: {e}")))?;
+                for (name, c) in &cfg.initial_classes {
+                    cg.set_class(name, c.cpu.shares, c.cpu.cap)
+                        .map_err(|e| ManagerError::Invalid(format!("cgroup backend: {e}")))?;
+                }
+                Some(cg)
+            }
+            _ => None,
+        };
+        let sched = Arc::new(Mutex::new(sched));
+        let cpu = CpuScheduler::new(sched.clone());
+        if cfg.cpu_backend == CpuBackend::Gate {
+            cpu.start()
+                .map_err(|e| ManagerError::Invalid(format!("scheduler thread: {e}")))?;
+        }
         Ok(Self {
             state: Mutex::new(state),
-            sched: Arc::new(Mutex::new(sched)),
+            sched,
+            cpu,
+            cgroup,
             cfg,
             memory_budget_mib,
         })
@@ -699,6 +754,7 @@ impl Manager {
         cfg.io.validate()?;
         let mut st = lock(&self.state);
         self.sched().create_class(name, cfg.cpu)?;
+        self.cgroup_class(name, &cfg);
         st.class_io.insert(name.to_string(), cfg.io);
         let stats = self.sched().stats();
         self.class_info(&st, &stats, name)
@@ -714,6 +770,7 @@ impl Manager {
         cfg.io.validate()?;
         let mut st = lock(&self.state);
         let created = self.sched().set_class(name, cfg.cpu)?;
+        self.cgroup_class(name, &cfg);
         st.class_io.insert(name.to_string(), cfg.io);
         let stats = self.sched().stats();
         let info = self
@@ -741,6 +798,7 @@ impl Manager {
         f(&mut cfg);
         cfg.io.validate()?;
         self.sched().update_class(name, cfg.cpu)?;
+        self.cgroup_class(name, &cfg);
         st.class_io.insert(name.to_string(), cfg.io);
         let stats = self.sched().stats();
         self.class_info(&st, &stats, name)
@@ -753,8 +811,32 @@ impl Manager {
         // VMs being started are already in the scheduler's model, so a class
         // they are joining counts as in use.
         self.sched().delete_class(name)?;
+        if let Some(cg) = &self.cgroup
+            && let Err(e) = cg.remove_class(name)
+        {
+            tracing::warn!(class = name, "cgroup backend: {e}");
+        }
         st.class_io.remove(name);
         Ok(())
+    }
+
+    /// Mirrors a class into the cgroup backend (when it is the one in use).
+    fn cgroup_class(&self, name: &str, cfg: &ClassConfig) {
+        if let Some(cg) = &self.cgroup
+            && let Err(e) = cg.set_class(name, cfg.cpu.shares, cfg.cpu.cap)
+        {
+            tracing::warn!(class = name, "cgroup backend: {e}");
+        }
+    }
+
+    /// The gate backend's scheduler service.
+    pub fn cpu_scheduler(&self) -> &Arc<CpuScheduler> {
+        &self.cpu
+    }
+
+    /// The CPU backend in use.
+    pub fn cpu_backend(&self) -> CpuBackend {
+        self.cfg.cpu_backend
     }
 
     // ---- VMs ----
@@ -985,7 +1067,7 @@ impl Manager {
             (id, name)
         };
 
-        let result = self.start_vm(&name, &req);
+        let result = self.start_vm(id, &name, &req);
         let mut st = lock(&self.state);
         st.starting.remove(&name);
         match result {
@@ -1038,7 +1120,12 @@ impl Manager {
         (vcpus, mem)
     }
 
-    fn start_vm(&self, name: &str, req: &VmRequest) -> Result<(VmHandle, String), ManagerError> {
+    fn start_vm(
+        &self,
+        id: VmId,
+        name: &str,
+        req: &VmRequest,
+    ) -> Result<(VmHandle, String), ManagerError> {
         let (kernel, default_cmdline) = match (&req.kernel, &self.cfg.builtin_kernel) {
             (Some(p), _) => (KernelSource::Path(p.clone()), DEFAULT_LINUX_CMDLINE),
             (None, Some(b)) => (KernelSource::Bytes(b.clone()), ""),
@@ -1074,7 +1161,24 @@ impl Manager {
                 group: None,
             })
             .collect();
+        let gate = Arc::new(Gate::new());
+        if self.cfg.cpu_backend == CpuBackend::Gate {
+            cfg.sched_gate = Some(gate.clone());
+        }
         let handle = crate::vm::start(&cfg)?;
+        match self.cfg.cpu_backend {
+            CpuBackend::Gate => self.cpu.attach(id, gate, handle.vcpu_tids().to_vec()),
+            CpuBackend::Cgroup => {
+                if let Some(cg) = &self.cgroup
+                    && let Err(e) = cg.place_vm(&req.class, name, req.weight, handle.vcpu_tids())
+                {
+                    handle.stop();
+                    handle.join();
+                    return Err(ManagerError::Invalid(format!("cgroup backend: {e}")));
+                }
+            }
+            CpuBackend::None => {}
+        }
         tracing::info!(
             vm = name,
             vcpus = req.vcpus,
@@ -1093,11 +1197,15 @@ impl Manager {
                 .vms
                 .remove(name)
                 .ok_or_else(|| ManagerError::NotFound(format!("no VM named {name:?}")))?;
+            self.cpu.detach(e.id);
             let _ = self.sched().remove_vm(e.id);
             e
         };
         e.handle.stop();
         e.handle.join();
+        if let Some(cg) = &self.cgroup {
+            let _ = cg.remove_vm(&lock(&e.class), &e.name);
+        }
         tracing::info!(vm = name, "VM deleted");
         Ok(self.vm_info(&e, None))
     }
@@ -1164,6 +1272,16 @@ impl Manager {
             if let Some(w) = weight {
                 s.set_vm_weight(e.id, w)?;
                 e.weight.store(w, Ordering::Relaxed);
+            }
+            drop(s);
+            if let Some(cg) = &self.cgroup {
+                let old = lock(&e.class).clone();
+                let w = e.weight.load(Ordering::Relaxed);
+                if let Err(err) = cg.place_vm(class, &e.name, w, e.handle.vcpu_tids()) {
+                    tracing::warn!(vm = name, "cgroup backend: {err}");
+                } else {
+                    let _ = cg.remove_vm(&old, &e.name);
+                }
             }
             *lock(&e.class) = class.to_string();
             e
@@ -1245,9 +1363,14 @@ impl Manager {
             e.handle.stop();
         }
         for e in &entries {
+            self.cpu.detach(e.id);
             e.handle.join();
             let _ = self.sched().remove_vm(e.id);
+            if let Some(cg) = &self.cgroup {
+                let _ = cg.remove_vm(&lock(&e.class), &e.name);
+            }
         }
+        self.cpu.shutdown();
         if !entries.is_empty() {
             tracing::info!(vms = entries.len(), "all VMs stopped");
         }
