@@ -79,3 +79,40 @@ bool parse_u64(const char *s, size_t n, u64 *out)
 	*out = v;
 	return true;
 }
+
+bool parse_size(const char *s, size_t n, u64 *out)
+{
+	u32 shift = 0;
+	if (n && (s[n - 1] == 'K' || s[n - 1] == 'k'))
+		shift = 10;
+	else if (n && (s[n - 1] == 'M' || s[n - 1] == 'm'))
+		shift = 20;
+	else if (n && (s[n - 1] == 'G' || s[n - 1] == 'g'))
+		shift = 30;
+	if (shift)
+		n--;
+	u64 v = 0;
+	if (n > 2 && s[0] == '0' && (s[1] == 'x' || s[1] == 'X')) {
+		for (size_t i = 2; i < n; i++) {
+			char c = s[i];
+			u64 d;
+			if (c >= '0' && c <= '9')
+				d = (u64)(c - '0');
+			else if (c >= 'a' && c <= 'f')
+				d = (u64)(c - 'a' + 10);
+			else if (c >= 'A' && c <= 'F')
+				d = (u64)(c - 'A' + 10);
+			else
+				return false;
+			if (v >> 60)
+				return false;
+			v = v << 4 | d;
+		}
+	} else if (!parse_u64(s, n, &v)) {
+		return false;
+	}
+	if (shift && (v >> (64 - shift)))
+		return false;
+	*out = v << shift;
+	return true;
+}

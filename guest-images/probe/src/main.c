@@ -10,6 +10,7 @@ static const struct probe_mode *const modes[] = {
 	&mode_boot,
 	&mode_spin,
 	&mode_work,
+	&mode_blk,
 };
 
 void __attribute__((noreturn)) probe_finish(bool ok, const char *reason)
@@ -30,6 +31,12 @@ void __attribute__((noreturn)) probe_fail(const char *reason, const char *msg)
 
 u64 usable_kib; /* e820 type-1 RAM, reported by the boot mode */
 
+#define MAX_RAM_RANGES 32
+static struct {
+	u64 start, end;
+} ram[MAX_RAM_RANGES];
+static u32 n_ram;
+
 static void read_e820(const u8 *bp)
 {
 	u8 n = bp[0x1e8];
@@ -38,12 +45,36 @@ static void read_e820(const u8 *bp)
 		n = 128;
 	for (u32 i = 0; i < n; i++) {
 		const u8 *e = bp + 0x2d0 + i * 20;
+		u64 addr = *(const u64 *)e;
 		u64 size = *(const u64 *)(e + 8);
 		u32 type = *(const u32 *)(e + 16);
-		if (type == 1)
+		if (type == 1) {
 			usable += size;
+			if (n_ram < MAX_RAM_RANGES && addr + size > addr) {
+				ram[n_ram].start = addr;
+				ram[n_ram].end = addr + size;
+				n_ram++;
+			}
+		}
 	}
 	usable_kib = usable >> 10;
+}
+
+bool ram_range_ok(u64 start, u64 len)
+{
+	u64 end = start + len;
+	if (end < start)
+		return false;
+	/* Adjacent ranges are merged on the fly: walk forward from start. */
+	for (bool progress = true; progress && start < end;) {
+		progress = false;
+		for (u32 i = 0; i < n_ram; i++)
+			if (ram[i].start <= start && start < ram[i].end) {
+				start = ram[i].end;
+				progress = true;
+			}
+	}
+	return start >= end;
 }
 
 void kmain(const u8 *bp)

@@ -71,6 +71,8 @@ int strcmp(const char *a, const char *b);
 bool str_eq_n(const char *a, size_t alen, const char *b); /* a[0..alen) == b */
 /* Parse decimal u64 from s[0..n); false on empty/non-digit/overflow. */
 bool parse_u64(const char *s, size_t n, u64 *out);
+/* Decimal or 0x-hex, with an optional K/M/G (binary) suffix. */
+bool parse_size(const char *s, size_t n, u64 *out);
 
 /* ---- serial.c ---- */
 typedef struct { volatile u32 v; } spinlock_t;
@@ -103,7 +105,26 @@ struct probe_params {
 	u64 units;         /* work */
 	u64 unit_iters;    /* work: hash rounds per unit */
 	u64 cpus;          /* fallback CPU count, 0 = unset */
+	/* blk */
+	u64 blk_disk;      /* index among virtio_mmio.device= entries */
+	bool blk_all;      /* probe.disks=all */
+	char blk_op[16];   /* read|write|verify|flush|getid */
+	u64 blk_size;      /* bytes, 0 = whole disk capped at 32 MiB */
+	u64 blk_bs;        /* request size */
+	u64 blk_qd;        /* requests in flight */
+	u64 blk_offset;    /* bytes */
+	u64 blk_flush;     /* FLUSH after the writes */
+	u64 blk_seed;      /* verify pattern seed */
+	u64 blk_timeout_ms;/* no-progress timeout */
 };
+/* virtio_mmio.device=<size>@<base>:<irq>[:<id>] entries, in command-line order. */
+#define MAX_VMMIO 16
+struct vmmio_entry {
+	u64 base, size;
+	u32 irq;
+};
+extern struct vmmio_entry vmmio[MAX_VMMIO];
+extern u32 n_vmmio;
 extern struct probe_params params;
 extern char cmdline[CMDLINE_MAX];
 void cmdline_load(const u8 *boot_params);
@@ -146,6 +167,60 @@ void __attribute__((noreturn)) probe_finish(bool ok, const char *reason);
 void __attribute__((noreturn)) probe_fail(const char *reason, const char *msg);
 void __attribute__((noreturn)) halt_forever(void);
 
+/* RAM check against the e820 map: is [start, start+len) usable RAM? */
+bool ram_range_ok(u64 start, u64 len);
+extern char __image_end[];
+
+/* ---- virtio_blk.c ---- */
+#define VQ_SIZE_MAX 256
+#define VBLK_MAX_QD 64
+#define VIRTIO_F_VERSION_1 (1UL << 32)
+#define VIRTIO_BLK_F_SEG_MAX (1UL << 2)
+#define VIRTIO_BLK_F_RO (1UL << 5)
+#define VIRTIO_BLK_F_BLK_SIZE (1UL << 6)
+#define VIRTIO_BLK_F_FLUSH (1UL << 9)
+#define VIRTIO_BLK_T_IN 0
+#define VIRTIO_BLK_T_OUT 1
+#define VIRTIO_BLK_T_FLUSH 4
+#define VIRTIO_BLK_T_GET_ID 8
+#define VIRTIO_BLK_S_OK 0
+#define VIRTIO_BLK_S_IOERR 1
+#define VIRTIO_BLK_S_UNSUPP 2
+#define VBLK_TIMEOUT 0x100
+#define VBLK_BAD_COMPLETION 0x101
+struct vblk_dev {
+	u64 base;
+	u64 dev_features, features; /* offered, accepted */
+	u64 capacity;               /* 512-byte sectors */
+	u32 seg_max, blk_size;
+	u16 qsize;
+	bool ro;
+};
+struct vblk_job {
+	u32 type;      /* VIRTIO_BLK_T_IN / _OUT */
+	u64 sector;    /* first sector */
+	u64 bytes;     /* total, multiple of 512 */
+	u32 bs;        /* bytes per request, multiple of 512 */
+	u32 qd;        /* 1..VBLK_MAX_QD */
+	u64 buf;       /* qd * bs bytes of buffers */
+	bool fill;     /* OUT: write the verify pattern into each buffer */
+	bool check;    /* IN: compare each completed buffer with the pattern */
+	u64 timeout_ms;/* give up after this long without a completion */
+};
+struct vblk_stats {
+	u64 requests, errors, ioerr, unsupp, bad, bytes, cycles;
+	u64 mismatches, first_mismatch; /* first_mismatch: set to ~0 before */
+	u32 in_flight; /* left in flight (after a timeout) */
+	bool timeout;
+};
+const char *vblk_init(struct vblk_dev *d);
+void vblk_reset(struct vblk_dev *d);
+u32 vblk_device_status(const struct vblk_dev *d);
+u32 vblk_sync(const struct vblk_dev *d, u32 type, u64 sector, u64 buf, u32 len, bool dev_writes,
+	      u64 timeout_ms);
+void vblk_pattern_init(u64 seed);
+void vblk_run(const struct vblk_dev *d, const struct vblk_job *job, struct vblk_stats *st);
+
 /* ---- modes ---- */
 struct probe_mode {
 	const char *name;
@@ -159,7 +234,7 @@ struct probe_mode {
 	 * success or a one-word error reason. */
 	const char *(*report)(u32 ncpus);
 };
-extern const struct probe_mode mode_boot, mode_spin, mode_work;
+extern const struct probe_mode mode_boot, mode_spin, mode_work, mode_blk;
 extern u64 run_start_tsc; /* TSC at release of the mode's work */
 
 #endif
