@@ -29,6 +29,22 @@ fn spin(s: u64) -> String {
     format!("probe.mode=spin probe.secs={s} probe.interval_ms=1000")
 }
 
+fn print_stats(b: &Bench) {
+    for v in b.cpu().with(|s| s.stats()).vms {
+        eprintln!(
+            "  vm{} ent {:.1} used {:.1} credit {:.1} ms parked {} ({:.2} s, {} times) runnable {}",
+            v.vm.0,
+            v.entitlement_pct,
+            v.used_pct,
+            v.credit_ns as f64 / 1e6,
+            v.parked,
+            v.parked_ns as f64 / 1e9,
+            v.park_count,
+            v.runnable_vcpus
+        );
+    }
+}
+
 fn shares_3_to_1(backend: Backend) -> (f64, f64) {
     let _g = HOST.lock().unwrap_or_else(|p| p.into_inner());
     let n = secs();
@@ -52,12 +68,7 @@ fn shares_3_to_1(backend: Backend) -> (f64, f64) {
     b.launch("a", 2, 32, &spin(n + 10));
     b.launch("b", 2, 32, &spin(n + 10));
     let u = b.measure(Duration::from_millis(1500), Duration::from_secs(n));
-    for v in b.cpu().with(|s| s.stats()).vms {
-        eprintln!(
-            "  vm{} ent {:.1} used {:.1} parked {} parks {} runnable {}",
-            v.vm.0, v.entitlement_pct, v.used_pct, v.parked, v.park_count, v.runnable_vcpus
-        );
-    }
+    print_stats(&b);
     let total: f64 = u.iter().sum();
     let share_a = u[0] * 100.0 / total;
     eprintln!(
@@ -116,6 +127,7 @@ fn gate_cap_holds_and_idle_host_goes_to_the_other() {
     b.launch("b", 2, 32, &spin(n + 10));
     let u = b.measure(Duration::from_millis(1500), Duration::from_secs(n));
     eprintln!("cap 50 on B: A {:.1}% B {:.1}%", u[0], u[1]);
+    print_stats(&b);
     assert!(
         u[1] <= 51.0,
         "B used {:.2}% of one CPU with a 50% cap",
@@ -210,8 +222,10 @@ fn job_ms(out: &str) -> u64 {
 #[test]
 fn gate_job_beside_a_hog_is_not_starved() {
     let _g = HOST.lock().unwrap_or_else(|p| p.into_inner());
-    let units = 1500 * secs() / 5;
-    let work = format!("probe.mode=work probe.units={units}");
+    // A unit is ~5000 iterations of the probe's integer loop: ~20 ms here,
+    // where the guest is emulated (~1 µs per instruction).
+    let units = 100 * secs();
+    let work = format!("probe.mode=work probe.units={units} probe.unit_iters=5000");
     // Solo time, host wall clock.
     let mut solo = Bench::new(Backend::Gate);
     solo.class(

@@ -60,7 +60,18 @@ struct Tracked {
     /// Per vCPU: ticks since it last ran (saturating).
     idle_ticks: Vec<u8>,
     runnable: u32,
+    /// Ticks the VM has been parked (saturating); 0 when running.
+    parked_ticks: u8,
+    /// Sum of the vCPU clocks at the last sample.
+    total: u64,
 }
+
+/// A parked VM's vCPUs are sampled for this many ticks after the park (they
+/// run until the kick lands: milliseconds on nested KVM); after that they are
+/// off the CPU and reading their clocks would only cost the scheduler time.
+const PARKED_SAMPLE_TICKS: u8 = 3;
+/// Host idle time is read from /proc/stat every this many ticks.
+const IDLE_SAMPLE_TICKS: u64 = 4;
 
 /// A vCPU that ran at least this fraction (1/N) of a tick was runnable.
 const BUSY_FRACTION: u64 = 100;
@@ -76,6 +87,9 @@ struct Inner {
     /// Host idle time (all CPUs, ns) at the last tick, from /proc/stat.
     last_idle_ns: Option<u64>,
     last_tick_ns: u64,
+    /// Host idle over the last sampling interval, percent of one CPU.
+    measured_idle: Option<f64>,
+    tick_count: u64,
     ticks: u64,
 }
 
@@ -108,6 +122,8 @@ impl CpuScheduler {
                 ticks: 0,
                 last_idle_ns: None,
                 last_tick_ns: 0,
+                measured_idle: None,
+                tick_count: 0,
             }),
             stop: AtomicBool::new(false),
             thread: Mutex::new(None),
@@ -163,6 +179,8 @@ impl CpuScheduler {
                 last,
                 idle_ticks,
                 runnable,
+                parked_ticks: 0,
+                total: 0,
             },
         );
     }
@@ -213,6 +231,19 @@ impl CpuScheduler {
         let inner = &mut *g;
         inner.usages.clear();
         for (id, v) in inner.vms.iter_mut() {
+            let parked = v.gate.is_parked();
+            v.parked_ticks = if parked {
+                v.parked_ticks.saturating_add(1)
+            } else {
+                0
+            };
+            if parked && v.parked_ticks > PARKED_SAMPLE_TICKS {
+                // Off the CPU since a few ticks: same total, same demand.
+                inner.usages.push(
+                    VmUsage::total(*id, v.total, v.runnable > 0).with_runnable_vcpus(v.runnable),
+                );
+                continue;
+            }
             let mut total = 0u64;
             let mut busy = 0u32;
             for (i, tid) in v.tids.iter().enumerate() {
@@ -235,25 +266,30 @@ impl CpuScheduler {
                 }
                 total += ns;
             }
+            v.total = total;
             // A parked VM's vCPUs wait on the gate: they still want CPU as
             // much as when they were parked.
-            let runnable = if v.gate.is_parked() { v.runnable } else { busy };
-            v.runnable = runnable.max(if v.gate.is_parked() { 1 } else { 0 });
+            let runnable = if parked { v.runnable.max(1) } else { busy };
+            v.runnable = runnable;
             inner
                 .usages
                 .push(VmUsage::total(*id, total, runnable > 0).with_runnable_vcpus(runnable));
         }
         // Real host idle time, so that CPU taken by other processes is not
         // mistaken for CPU our VMs left unused.
-        let idle = host_idle_ns();
-        let measured = match (idle, inner.last_idle_ns) {
-            (Some(i), Some(l)) if now > inner.last_tick_ns => {
-                Some(i.saturating_sub(l) as f64 * 100.0 / (now - inner.last_tick_ns) as f64)
-            }
-            _ => None,
-        };
-        inner.last_idle_ns = idle;
-        inner.last_tick_ns = now;
+        inner.tick_count += 1;
+        if inner.tick_count % IDLE_SAMPLE_TICKS == 1 || inner.last_idle_ns.is_none() {
+            let idle = host_idle_ns();
+            inner.measured_idle = match (idle, inner.last_idle_ns) {
+                (Some(i), Some(l)) if now > inner.last_tick_ns => {
+                    Some(i.saturating_sub(l) as f64 * 100.0 / (now - inner.last_tick_ns) as f64)
+                }
+                _ => None,
+            };
+            inner.last_idle_ns = idle;
+            inner.last_tick_ns = now;
+        }
+        let measured = inner.measured_idle;
         let mut sched = lock(&self.sched);
         sched.set_measured_idle(measured);
         let out = sched.tick(now, &inner.usages);
