@@ -23,8 +23,7 @@ fn disk(dir: &std::path::Path, name: &str, mib: u64) -> String {
 
 fn result_line(out: &str) -> String {
     out.lines()
-        .filter(|l| l.starts_with("PROBE-RESULT mode=blk"))
-        .next_back()
+        .rfind(|l| l.starts_with("PROBE-RESULT mode=blk"))
         .unwrap_or_else(|| panic!("no blk result:\n{out}"))
         .to_string()
 }
