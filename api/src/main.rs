@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use clap::{Parser, Subcommand};
 
+mod bench;
 mod cli;
 mod client;
 mod demo;
@@ -71,6 +72,8 @@ enum Cmd {
     Status,
     /// Start a daemon, run VMs in two classes, show the figures, clean up.
     Demo(demo::DemoArgs),
+    /// Benchmarks: overhead, interference, throttle (report, plots, CSV).
+    Bench(bench::BenchArgs),
 }
 
 #[derive(clap::Args, Debug)]
@@ -113,6 +116,10 @@ fn main() -> ExitCode {
             }
         }
         Cmd::Demo(a) => match demo::demo(a, builtin()) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => fail(e.to_string()),
+        },
+        Cmd::Bench(a) => match bench::bench(a, builtin()) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => fail(e.to_string()),
         },

@@ -16,7 +16,12 @@ fn num(line: &str, key: &str) -> f64 {
 }
 
 /// Runs a probe blk job on a fresh disk with `limits`; returns (requests, bytes, µs).
+/// The rate tests run one at a time: each wants the host's CPUs for its
+/// device thread's timer wake-ups.
+static HOST: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 fn job(limits: &str, probe: &str) -> (f64, f64, f64) {
+    let _host = HOST.lock().unwrap_or_else(|p| p.into_inner());
     let dir = std::env::temp_dir().join(format!("corral-thr-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let img = dir.join(format!("d{}.img", limits.len()));

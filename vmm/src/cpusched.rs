@@ -203,6 +203,7 @@ impl CpuScheduler {
     }
 
     fn run(self: Arc<Self>) {
+        crate::devthread::raise_priority();
         let tick = Duration::from_nanos(self.with(|s| s.config().tick_ns).max(1_000_000));
         let mut next = Instant::now() + tick;
         while !self.stop.load(Ordering::SeqCst) {

@@ -1,0 +1,213 @@
+//! `corral bench`: benchmarks that follow the kernel lists' method — the
+//! same guest job repeated, configurations interleaved (A B C A B C),
+//! min / avg / max / sdev / spread per configuration and the difference as
+//! a ratio — run in-process through the [`Manager`](corral_vmm::manager::Manager),
+//! the daemon's own path.
+//!
+//! * `overhead`: the probe's CPU job and I/O job with the manager off, with
+//!   the CPU scheduler on (no contention) and with I/O limits far above need.
+//! * `interference`: a victim VM's job alone, beside a CPU hog and beside an
+//!   I/O hog, with equal classes and with shares 3:1 plus an I/O limit on
+//!   the hog.
+//! * `throttle`: achieved versus configured I/O rate over a grid of limits
+//!   and burst sizes, and the cost of limits that are never hit.
+//!
+//! Each writes `report.md`, PNG plots and CSV samples into `--out` (default
+//! `bench-out/<kind>-<UTC time>/`) and shows a progress bar on stderr.
+//! `--quick` runs a short form (a smoke test, not a measurement).
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+
+mod interference;
+mod overhead;
+mod plot;
+mod report;
+mod runner;
+mod stats;
+mod throttle;
+
+/// An error of a benchmark run.
+#[derive(Debug)]
+pub struct BenchError(pub String);
+
+impl std::fmt::Display for BenchError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for BenchError {}
+
+/// `corral bench`.
+#[derive(clap::Args, Debug)]
+pub struct BenchArgs {
+    #[command(subcommand)]
+    kind: BenchKind,
+}
+
+#[derive(clap::Subcommand, Debug)]
+enum BenchKind {
+    /// The cost of the manager: the same job with the manager off (A), the
+    /// CPU scheduler on (B) and I/O limits 100x above need (C), interleaved.
+    Overhead(OverheadArgs),
+    /// A victim VM's slowdown beside a CPU hog and an I/O hog, with equal
+    /// classes and with shares 3:1 plus an I/O limit on the hog.
+    Interference(InterferenceArgs),
+    /// Achieved versus configured I/O rate over a grid of limits and bursts,
+    /// and the cost of limits that are never hit.
+    Throttle(ThrottleArgs),
+}
+
+/// Options every benchmark has.
+#[derive(clap::Args, Debug, Clone)]
+pub struct CommonArgs {
+    /// Output directory (default: bench-out/<kind>-<UTC time>/).
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// A short form with tiny jobs and few runs (a smoke test, not a
+    /// measurement).
+    #[arg(long)]
+    pub quick: bool,
+}
+
+/// Which jobs `overhead` runs.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum JobKind {
+    /// The probe's fixed integer job.
+    Cpu,
+    /// The probe's virtio-blk read job.
+    Io,
+    /// Both.
+    Both,
+}
+
+/// `corral bench overhead`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct OverheadArgs {
+    #[command(flatten)]
+    common: CommonArgs,
+    /// Runs per configuration (default 5; 2 with --quick).
+    #[arg(long)]
+    runs: Option<u32>,
+    /// Guest job.
+    #[arg(long, value_enum, default_value_t = JobKind::Both)]
+    job: JobKind,
+}
+
+/// `corral bench interference`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct InterferenceArgs {
+    #[command(flatten)]
+    common: CommonArgs,
+    /// Rounds over all scenarios (default 3; 1 with --quick).
+    #[arg(long)]
+    runs: Option<u32>,
+}
+
+/// `corral bench throttle`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct ThrottleArgs {
+    #[command(flatten)]
+    common: CommonArgs,
+    /// Interleaved pairs (limit 100x above need / no limit) for the cost of
+    /// limits never hit (default 6; 2 with --quick).
+    #[arg(long)]
+    pairs: Option<u32>,
+}
+
+/// Runs a benchmark.
+pub fn bench(args: BenchArgs, builtin: Arc<[u8]>) -> Result<(), BenchError> {
+    let (dir, text) = match args.kind {
+        BenchKind::Overhead(a) => overhead::run(a, &builtin)?,
+        BenchKind::Interference(a) => interference::run(a, &builtin)?,
+        BenchKind::Throttle(a) => throttle::run(a, &builtin)?,
+    };
+    println!("{text}");
+    println!("report, plots and samples: {}", dir.display());
+    Ok(())
+}
+
+/// Job sizes for this host: small on kvm_pvm hosts, where guest code is
+/// emulated at ~1 µs per instruction.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Sizes {
+    /// Work units of the CPU job.
+    pub cpu_units: u64,
+    /// Rounds per unit.
+    pub unit_iters: u64,
+    /// Bytes the I/O job reads.
+    pub io_bytes: u64,
+    /// Bytes per request of the I/O job.
+    pub io_bs: u64,
+    /// Size of the I/O job's disk file.
+    pub disk_bytes: u64,
+}
+
+impl Sizes {
+    pub fn new(quick: bool) -> Self {
+        let pvm = runner::host_is_pvm();
+        let (cpu_units, unit_iters) = match (pvm, quick) {
+            // ~135 ms per unit of 20000 rounds on a kvm_pvm host.
+            (true, false) => (16, 20_000),
+            (true, true) => (2, 10_000),
+            // ~1 ms per unit of 450000 rounds natively.
+            (false, false) => (2000, 450_000),
+            (false, true) => (100, 450_000),
+        };
+        let (io_bytes, disk_bytes) = if quick {
+            (4 << 20, 8 << 20)
+        } else {
+            (64 << 20, 64 << 20)
+        };
+        Self {
+            cpu_units,
+            unit_iters,
+            io_bytes,
+            io_bs: 4096,
+            disk_bytes,
+        }
+    }
+}
+
+/// A progress bar on stderr (hidden when stderr is not a terminal).
+pub(crate) fn progress(len: u64) -> ProgressBar {
+    let pb = ProgressBar::with_draw_target(Some(len), ProgressDrawTarget::stderr());
+    pb.set_style(
+        ProgressStyle::with_template("{spinner} [{elapsed_precise}] {bar:32} {pos}/{len} {msg}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    pb.enable_steady_tick(Duration::from_millis(200));
+    pb
+}
+
+/// The lines about the host and the run that every report starts with.
+pub(crate) fn host_lines(quick: bool) -> String {
+    let pvm = runner::host_is_pvm();
+    let mut s = format!(
+        "- host: {} CPUs available to corral, KVM {}\n- corral {} ({} build), {} UTC\n",
+        runner::host_cpus(),
+        if pvm {
+            "kvm_pvm (guest code runs in KVM's instruction emulator, ~1 µs per instruction)"
+        } else {
+            "with hardware virtualisation"
+        },
+        env!("CARGO_PKG_VERSION"),
+        if cfg!(debug_assertions) {
+            "debug"
+        } else {
+            "release"
+        },
+        report::utc_stamp(),
+    );
+    if quick {
+        s.push_str("- **--quick**: tiny jobs and few runs; a smoke test, not a measurement\n");
+    }
+    s.push_str(
+        "- absolute times on a shared machine are noise; the ratios measured within one run are the figure\n",
+    );
+    s
+}

@@ -1,0 +1,125 @@
+//! `corral bench <kind> --quick`: the short form of each benchmark runs and
+//! writes its report (with the expected tables), CSV samples and PNG plots.
+//! A smoke test, not a measurement.
+
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use corral_tests::{run_corral, text};
+
+/// The benchmarks measure time: run them one at a time.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn out_dir(kind: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("corral-bench-smoke-{kind}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+fn non_empty(p: &Path) {
+    let len = std::fs::metadata(p)
+        .unwrap_or_else(|e| panic!("{}: {e}", p.display()))
+        .len();
+    assert!(len > 0, "{} is empty", p.display());
+}
+
+fn is_png(p: &Path) {
+    non_empty(p);
+    let head = std::fs::read(p).unwrap();
+    assert!(
+        head.starts_with(b"\x89PNG\r\n\x1a\n"),
+        "{} is not a PNG",
+        p.display()
+    );
+    assert!(head.len() > 2000, "{} is suspiciously small", p.display());
+}
+
+/// Runs `corral bench <kind> --quick --out <tmp>` and checks the files.
+fn smoke(kind: &str, csvs: &[&str], pngs: &[&str], must_have: &[&str]) {
+    let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let dir = out_dir(kind);
+    let o = run_corral(
+        &["bench", kind, "--quick", "--out", dir.to_str().unwrap()],
+        Duration::from_secs(120),
+    );
+    let (out, err) = text(&o);
+    assert!(
+        o.status.success(),
+        "corral bench {kind} failed:\n{out}\n{err}"
+    );
+    let report = dir.join("report.md");
+    non_empty(&report);
+    let md = std::fs::read_to_string(&report).unwrap();
+    assert!(md.starts_with(&format!("# corral bench {kind}")), "{md}");
+    for needle in must_have {
+        assert!(md.contains(needle), "report lacks {needle:?}:\n{md}");
+    }
+    // Tables: a header row and its separator.
+    assert!(md.contains("|---"), "report has no table:\n{md}");
+    for c in csvs {
+        let p = dir.join(c);
+        non_empty(&p);
+        let lines = std::fs::read_to_string(&p).unwrap().lines().count();
+        assert!(lines >= 2, "{} has no samples", p.display());
+    }
+    for p in pngs {
+        is_png(&dir.join(p));
+        assert!(md.contains(&format!("]({p})")), "report does not show {p}");
+    }
+    // The report is printed too.
+    assert!(out.contains(&format!("# corral bench {kind}")), "{out}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn bench_overhead_quick() {
+    smoke(
+        "overhead",
+        &["samples.csv"],
+        &["overhead.png"],
+        &[
+            "## Summary",
+            "| job | config | total s (avg) | vs A",
+            "### total seconds",
+            "### CPU seconds",
+            "| config | n   | min",
+            "sdev",
+            "spread",
+            "Linux kernel-compile job",
+        ],
+    );
+}
+
+#[test]
+fn bench_interference_quick() {
+    smoke(
+        "interference",
+        &["samples.csv", "timeline.csv"],
+        &["interference-cpu.png", "interference-io.png"],
+        &[
+            "## Victim slowdown",
+            "| victim job | scenario",
+            "CPU hog, equal classes",
+            "CPU hog, shares 3:1 for the victim",
+            "I/O hog, equal classes",
+            "I/O hog, shares 3:1 for the victim, I/O limit on the hog",
+            "slowdown",
+        ],
+    );
+}
+
+#[test]
+fn bench_throttle_quick() {
+    smoke(
+        "throttle",
+        &["samples.csv", "never-hit.csv"],
+        &["throttle.png"],
+        &[
+            "## Achieved versus configured rate",
+            "| limit | configured | burst",
+            "## Limits never hit",
+            "| limits | n   | min",
+        ],
+    );
+}
