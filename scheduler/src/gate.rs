@@ -74,6 +74,8 @@ pub struct Gate {
     cv: Condvar,
     kick: RwLock<Option<KickFn>>,
     parks: AtomicU64,
+    /// Threads blocked in a wait right now.
+    waiting: AtomicU64,
 }
 
 impl fmt::Debug for Gate {
@@ -102,6 +104,7 @@ impl Gate {
             cv: Condvar::new(),
             kick: RwLock::new(None),
             parks: AtomicU64::new(0),
+            waiting: AtomicU64::new(0),
         }
     }
 
@@ -164,14 +167,24 @@ impl Gate {
     /// if it is not). No spinning: waits on a condition variable.
     pub fn wait_while_parked(&self) -> WaitOutcome {
         let mut st = self.lock();
-        while st.parked && !st.shutdown {
-            st = self.cv.wait(st).unwrap_or_else(|e| e.into_inner());
+        if st.parked && !st.shutdown {
+            self.waiting.fetch_add(1, Ordering::SeqCst);
+            while st.parked && !st.shutdown {
+                st = self.cv.wait(st).unwrap_or_else(|e| e.into_inner());
+            }
+            self.waiting.fetch_sub(1, Ordering::SeqCst);
         }
         if st.shutdown {
             WaitOutcome::Shutdown
         } else {
             WaitOutcome::Running
         }
+    }
+
+    /// How many threads are blocked on the gate right now (for a VM: vCPUs
+    /// that are parked and off the CPU for sure).
+    pub fn waiting(&self) -> u64 {
+        self.waiting.load(Ordering::SeqCst)
     }
 
     /// Like [`wait_while_parked`](Self::wait_while_parked) but gives up

@@ -150,7 +150,8 @@ fn thousand_mixed_work_conservation() {
     }
     s.run_for(S);
     s.reset_counters();
-    s.run_for(5 * S);
+    // 12 s: the lowest-entitled VMs run one tick every ~6 s by design.
+    s.run_for(12 * S);
     let r = s.report();
     print_classes(&r, &["gold", "silver", "bronze", "web", "batch"]);
     assert!(r.wasted_fraction() < 0.02, "wasted {}", r.wasted_fraction());

@@ -64,12 +64,10 @@ struct Tracked {
     parked_ticks: u8,
     /// Sum of the vCPU clocks at the last sample.
     total: u64,
+    /// Parked, and sampled after every vCPU was blocked on the gate.
+    settled: bool,
 }
 
-/// A parked VM's vCPUs are sampled for this many ticks after the park (they
-/// run until the kick lands: milliseconds on nested KVM); after that they are
-/// off the CPU and reading their clocks would only cost the scheduler time.
-const PARKED_SAMPLE_TICKS: u8 = 3;
 /// Host idle time is read from /proc/stat every this many ticks.
 const IDLE_SAMPLE_TICKS: u64 = 4;
 
@@ -181,6 +179,7 @@ impl CpuScheduler {
                 runnable,
                 parked_ticks: 0,
                 total: 0,
+                settled: false,
             },
         );
     }
@@ -238,12 +237,23 @@ impl CpuScheduler {
             } else {
                 0
             };
-            if parked && v.parked_ticks > PARKED_SAMPLE_TICKS {
-                // Off the CPU since a few ticks: same total, same demand.
+            if !parked {
+                v.settled = false;
+            }
+            if parked && v.settled {
+                // Every vCPU is blocked on the gate (the kick has landed and
+                // they have been sampled since): off the CPU for sure, so
+                // the clocks cannot have moved. Skipping them keeps the
+                // scheduler cheap with many parked VMs.
                 inner.usages.push(
                     VmUsage::total(*id, v.total, v.runnable > 0).with_runnable_vcpus(v.runnable),
                 );
                 continue;
+            }
+            // All vCPUs blocked on the gate before we read their clocks:
+            // these readings are final until the VM is unparked.
+            if parked && v.gate.waiting() >= v.tids.len() as u64 {
+                v.settled = true;
             }
             let mut total = 0u64;
             let mut busy = 0u32;
