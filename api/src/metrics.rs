@@ -263,6 +263,52 @@ pub fn render(m: &Manager) -> String {
         }
     }
 
+    // Class I/O groups (one throttle group per class, shared by its disks).
+    let gops = r.counter(
+        "corral_group_ops",
+        "Requests admitted by a class's I/O group, by op",
+    );
+    let gbytes = r.counter(
+        "corral_group_bytes",
+        "Bytes admitted by a class's I/O group, by op",
+    );
+    let gthr = r.counter(
+        "corral_group_throttled_requests",
+        "Requests that waited for the group's tokens",
+    );
+    let gthrs = r.counter(
+        "corral_group_throttled_seconds",
+        "Time requests spent waiting for the group's tokens",
+    );
+    let gq = r.gauge("corral_group_queue_depth", "Requests queued in the group");
+    let glat = Family::<Labels, ConstHistogram>::default();
+    r.0.register(
+        "corral_group_request_duration_seconds",
+        "Request latency of the group's disks, by op",
+        glat.clone(),
+    );
+    for (class, s) in m.class_io_stats() {
+        let group = format!("class:{class}");
+        let base = l(&[("class", &class), ("group", &group)]);
+        for (op, o) in [("read", &s.read), ("write", &s.write), ("other", &s.other)] {
+            let mut lb = base.clone();
+            lb.push(("op", op.to_string()));
+            gops.get_or_create(&lb).inc_by(o.ops as f64);
+            gbytes.get_or_create(&lb).inc_by(o.bytes as f64);
+            if o.latency.count() > 0 {
+                glat.get_or_create(&lb).set(
+                    o.latency.sum_seconds(),
+                    o.latency.count(),
+                    o.latency.buckets().collect(),
+                );
+            }
+        }
+        gthr.get_or_create(&base)
+            .inc_by(s.throttled_requests as f64);
+        gthrs.get_or_create(&base).inc_by(s.throttled_seconds());
+        gq.get_or_create(&base).set(s.queue_depth as f64);
+    }
+
     let mut out = String::with_capacity(16 * 1024);
     if encode(&mut out, &r.0).is_err() {
         out.clear();

@@ -133,6 +133,24 @@ impl Gate {
         true
     }
 
+    /// Runs the kick callback again if the gate is parked (for threads that
+    /// have not reached the gate since the park: a kick may be lost or late,
+    /// and a parked gate is not kicked again by [`park`](Self::park)).
+    /// Returns whether it kicked.
+    pub fn kick_again(&self) -> bool {
+        if !self.is_parked() || self.shutdown.load(Ordering::SeqCst) {
+            return false;
+        }
+        let kick = self.kick.read().unwrap_or_else(|e| e.into_inner()).clone();
+        match kick {
+            Some(kick) => {
+                kick();
+                true
+            }
+            None => false,
+        }
+    }
+
     /// Unparks the gate and wakes all waiters. Returns `true` if it was
     /// parked.
     pub fn unpark(&self) -> bool {

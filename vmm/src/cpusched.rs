@@ -61,13 +61,16 @@ struct Tracked {
     idle_ticks: Vec<u8>,
     runnable: u32,
     /// Ticks the VM has been parked (saturating); 0 when running.
-    parked_ticks: u8,
+    parked_ticks: u32,
     /// Sum of the vCPU clocks at the last sample.
     total: u64,
     /// Parked, and sampled after every vCPU was blocked on the gate.
     settled: bool,
 }
 
+/// A parked VM whose vCPUs are not all blocked on the gate after this many
+/// ticks is kicked again (and every this many ticks after).
+const REKICK_TICKS: u32 = 2;
 /// Host idle time is read from /proc/stat every this many ticks.
 const IDLE_SAMPLE_TICKS: u64 = 4;
 
@@ -88,6 +91,8 @@ struct Inner {
     /// Host idle over the last sampling interval, percent of one CPU.
     measured_idle: Option<f64>,
     tick_count: u64,
+    /// Kicks repeated because a parked VM's vCPUs had not reached the gate.
+    rekicks: u64,
     ticks: u64,
 }
 
@@ -122,6 +127,7 @@ impl CpuScheduler {
                 last_tick_ns: 0,
                 measured_idle: None,
                 tick_count: 0,
+                rekicks: 0,
             }),
             stop: AtomicBool::new(false),
             thread: Mutex::new(None),
@@ -191,6 +197,11 @@ impl CpuScheduler {
         }
     }
 
+    /// Kicks repeated because a parked VM's vCPUs had not reached the gate.
+    pub fn rekicks(&self) -> u64 {
+        lock(&self.inner).rekicks
+    }
+
     /// (ticks done, CPU time the scheduler thread used in ns).
     pub fn self_usage(&self) -> (u64, u64) {
         let g = lock(&self.inner);
@@ -254,6 +265,12 @@ impl CpuScheduler {
             // these readings are final until the VM is unparked.
             if parked && v.gate.waiting() >= v.tids.len() as u64 {
                 v.settled = true;
+            } else if parked && v.parked_ticks >= REKICK_TICKS && v.parked_ticks % REKICK_TICKS == 0
+            {
+                // Parked for a while but some vCPU is still not on the gate:
+                // its kick was lost or is stuck; kick again.
+                v.gate.kick_again();
+                inner.rekicks += 1;
             }
             let mut total = 0u64;
             let mut busy = 0u32;

@@ -7,7 +7,7 @@ use std::os::fd::RawFd;
 use std::sync::mpsc::{Receiver, Sender};
 use std::sync::{Arc, Mutex};
 
-use corral_blkthrottle::{Limits, Throttle};
+use corral_blkthrottle::{Limits, Throttle, ThrottleGroup};
 use corral_devices::virtio::blk::gate::monotonic_ns;
 
 use crate::vm::VmError;
@@ -18,6 +18,12 @@ pub(crate) enum Control {
     SetLimits {
         disk: usize,
         limits: Limits,
+        reply: Sender<Result<(), VmError>>,
+    },
+    /// Move a disk into a throttle group (or out of any).
+    SetGroup {
+        disk: usize,
+        group: Option<(ThrottleGroup, u32)>,
         reply: Sender<Result<(), VmError>>,
     },
 }
@@ -94,6 +100,39 @@ impl Wake {
     }
 }
 
+impl Wake {
+    fn set_group(&self, disk: usize, group: Option<(ThrottleGroup, u32)>) -> Result<(), VmError> {
+        let (name, _, block) = self
+            .shared
+            .disks
+            .get(disk)
+            .ok_or_else(|| VmError::NoSuchDisk(disk.to_string()))?;
+        let err = |msg: String| VmError::Disk {
+            name: name.clone(),
+            msg,
+        };
+        let mut b = lock(block);
+        let now = monotonic_ns();
+        if let Some(t) = b
+            .gate_mut()
+            .and_then(|g| g.as_any_mut().downcast_mut::<Throttle>())
+        {
+            match &group {
+                Some((g, w)) => t.join_group(g, *w, None).map_err(|e| err(e.to_string()))?,
+                None => t.leave_group(),
+            }
+            b.gate_changed();
+            return Ok(());
+        }
+        if let Some((g, w)) = group {
+            let mut t = Throttle::new(&Limits::default(), now).map_err(|e| err(e.to_string()))?;
+            t.join_group(&g, w, None).map_err(|e| err(e.to_string()))?;
+            b.set_gate(Some(Box::new(t)));
+        }
+        Ok(())
+    }
+}
+
 impl MutEventSubscriber for Wake {
     fn process(&mut self, _events: Events, _ops: &mut EventOps) {
         self.shared.clear_wake();
@@ -105,6 +144,10 @@ impl MutEventSubscriber for Wake {
                     reply,
                 } => {
                     let r = self.set_limits(disk, limits);
+                    let _ = reply.send(r);
+                }
+                Control::SetGroup { disk, group, reply } => {
+                    let r = self.set_group(disk, group);
                     let _ = reply.send(r);
                 }
             }

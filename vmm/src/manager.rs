@@ -30,6 +30,7 @@ use corral_scheduler::{
 use crate::cgroup::CgroupBackend;
 use crate::cpusched::CpuScheduler;
 use crate::vm::{ExitReason, KernelSource, VmConfig, VmError, VmHandle};
+use corral_blkthrottle::ThrottleGroup;
 use corral_scheduler::Gate;
 
 /// Default kernel command line when a kernel file is given without one.
@@ -544,6 +545,9 @@ struct State {
     /// Names of VMs being started (reserved).
     starting: BTreeMap<String, (VmId, u32, u64)>,
     class_io: BTreeMap<String, IoLimits>,
+    /// Each class's I/O group: one throttle group shared by all disks of the
+    /// class's VMs, with the class's `io` limits.
+    class_groups: BTreeMap<String, ThrottleGroup>,
     next_id: u64,
     shutting_down: bool,
 }
@@ -583,6 +587,24 @@ pub fn thread_cpu_ns(tid: libc::pid_t) -> Option<u64> {
     // clock id (thread gone) is reported as an error.
     let r = unsafe { libc::clock_gettime(clock, &mut ts) };
     (r == 0).then(|| ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64)
+}
+
+/// Creates a class's I/O group or changes its limits live (tokens earned
+/// and waiting requests are kept).
+fn set_class_group(st: &mut State, class: &str, io: &IoLimits) -> Result<(), ManagerError> {
+    let now = corral_devices::virtio::blk::gate::monotonic_ns();
+    let limits = io.to_blk();
+    match st.class_groups.get(class) {
+        Some(g) => g
+            .set_limits(&limits, now)
+            .map_err(|e| ManagerError::Invalid(format!("class {class:?} io: {e}")))?,
+        None => {
+            let g = ThrottleGroup::new(format!("class:{class}"), &limits, now)
+                .map_err(|e| ManagerError::Invalid(format!("class {class:?} io: {e}")))?;
+            st.class_groups.insert(class.to_string(), g);
+        }
+    }
+    Ok(())
 }
 
 /// Checks a VM, disk or group name: 1..=64 bytes of ASCII letters, digits,
@@ -635,6 +657,7 @@ impl Manager {
             c.io.validate()?;
             sched.create_class(name, c.cpu)?;
             state.class_io.insert(name.clone(), c.io);
+            set_class_group(&mut state, name, &c.io)?;
         }
         let memory_budget_mib = cfg
             .memory_budget_mib
@@ -756,6 +779,7 @@ impl Manager {
         self.sched().create_class(name, cfg.cpu)?;
         self.cgroup_class(name, &cfg);
         st.class_io.insert(name.to_string(), cfg.io);
+        set_class_group(&mut st, name, &cfg.io)?;
         let stats = self.sched().stats();
         self.class_info(&st, &stats, name)
             .ok_or_else(|| ManagerError::NotFound(format!("no class named {name:?}")))
@@ -772,6 +796,7 @@ impl Manager {
         let created = self.sched().set_class(name, cfg.cpu)?;
         self.cgroup_class(name, &cfg);
         st.class_io.insert(name.to_string(), cfg.io);
+        set_class_group(&mut st, name, &cfg.io)?;
         let stats = self.sched().stats();
         let info = self
             .class_info(&st, &stats, name)
@@ -800,6 +825,7 @@ impl Manager {
         self.sched().update_class(name, cfg.cpu)?;
         self.cgroup_class(name, &cfg);
         st.class_io.insert(name.to_string(), cfg.io);
+        set_class_group(&mut st, name, &cfg.io)?;
         let stats = self.sched().stats();
         self.class_info(&st, &stats, name)
             .ok_or_else(|| ManagerError::NotFound(format!("no class named {name:?}")))
@@ -817,6 +843,7 @@ impl Manager {
             tracing::warn!(class = name, "cgroup backend: {e}");
         }
         st.class_io.remove(name);
+        st.class_groups.remove(name);
         Ok(())
     }
 
@@ -1014,7 +1041,7 @@ impl Manager {
     pub fn create_vm(&self, mut req: VmRequest) -> Result<VmInfo, ManagerError> {
         self.validate_request(&mut req)?;
         // Reserve the name, the id, the resources and the scheduler slot.
-        let (id, name) = {
+        let (id, name, group) = {
             let mut st = lock(&self.state);
             if st.shutting_down {
                 return Err(ManagerError::ShuttingDown);
@@ -1064,10 +1091,11 @@ impl Manager {
             st.next_id += 1;
             st.starting
                 .insert(name.clone(), (id, req.vcpus, req.memory_mib));
-            (id, name)
+            let group = st.class_groups.get(&req.class).cloned();
+            (id, name, group)
         };
 
-        let result = self.start_vm(id, &name, &req);
+        let result = self.start_vm(id, &name, &req, group);
         let mut st = lock(&self.state);
         st.starting.remove(&name);
         match result {
@@ -1125,6 +1153,7 @@ impl Manager {
         id: VmId,
         name: &str,
         req: &VmRequest,
+        class_group: Option<ThrottleGroup>,
     ) -> Result<(VmHandle, String), ManagerError> {
         let (kernel, default_cmdline) = match (&req.kernel, &self.cfg.builtin_kernel) {
             (Some(p), _) => (KernelSource::Path(p.clone()), DEFAULT_LINUX_CMDLINE),
@@ -1158,7 +1187,11 @@ impl Manager {
                     options: Vec::new(),
                 },
                 limits: d.limits.to_blk(),
-                group: None,
+                // Every disk is in its class's I/O group (unlimited until the
+                // class gets `io` limits), so class limits apply live.
+                group: class_group
+                    .clone()
+                    .map(|g| (g, corral_blkthrottle::DEFAULT_WEIGHT)),
             })
             .collect();
         let gate = Arc::new(Gate::new());
@@ -1284,8 +1317,26 @@ impl Manager {
                 }
             }
             *lock(&e.class) = class.to_string();
-            e
+            let group = st.class_groups.get(class).cloned();
+            (e, group)
         };
+        let (e, group) = e;
+        if e.handle.exit_reason().is_none() {
+            for d in e.handle.disks() {
+                if let Err(err) = e.handle.set_disk_group(
+                    &d.name,
+                    group
+                        .clone()
+                        .map(|g| (g, corral_blkthrottle::DEFAULT_WEIGHT)),
+                ) {
+                    tracing::warn!(
+                        vm = name,
+                        disk = d.name,
+                        "moving to the class's I/O group: {err}"
+                    );
+                }
+            }
+        }
         tracing::info!(vm = name, class, "VM moved");
         let stats = self.sched().stats();
         Ok(self.vm_info(&e, Some(&stats)))
@@ -1324,6 +1375,15 @@ impl Manager {
             .into_iter()
             .find(|d| d.config.id == disk)
             .ok_or_else(|| ManagerError::NotFound(format!("VM {name:?} has no disk {disk:?}")))
+    }
+
+    /// Each class's I/O group counters (ops, bytes, throttling, latency).
+    pub fn class_io_stats(&self) -> Vec<(String, corral_blkthrottle::Stats)> {
+        lock(&self.state)
+            .class_groups
+            .iter()
+            .map(|(c, g)| (c.clone(), g.stats()))
+            .collect()
     }
 
     /// Host-wide figures.

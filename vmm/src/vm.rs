@@ -524,6 +524,32 @@ impl VmHandle {
             .collect()
     }
 
+    /// Moves a disk into a throttle group (with its weight there), or out of
+    /// any; applied by the device thread between two requests.
+    pub fn set_disk_group(
+        &self,
+        disk: &str,
+        group: Option<(ThrottleGroup, u32)>,
+    ) -> Result<(), VmError> {
+        let index = self
+            .shared
+            .disks
+            .iter()
+            .position(|(n, _, _)| n == disk)
+            .ok_or_else(|| VmError::NoSuchDisk(disk.to_string()))?;
+        let (tx, rx) = std::sync::mpsc::channel();
+        lock(&self.shared.control)
+            .send(crate::devthread::Control::SetGroup {
+                disk: index,
+                group,
+                reply: tx,
+            })
+            .map_err(|_| VmError::Config("the VM has stopped".into()))?;
+        self.shared.wake_device_thread();
+        rx.recv_timeout(Duration::from_secs(5))
+            .map_err(|_| VmError::Config("the VM's device thread did not answer".into()))?
+    }
+
     /// Changes a disk's limits live. The device thread swaps them between two
     /// requests; queued requests and earned tokens are kept. Returns once applied.
     pub fn set_disk_limits(&self, disk: &str, limits: Limits) -> Result<(), VmError> {

@@ -1,0 +1,104 @@
+//! A class's I/O limits form one throttle group shared by the disks of all
+//! the class's VMs, applied live; moving a VM moves its disks' group.
+
+use std::time::Duration;
+
+use corral_tests::api::{Daemon, wait_until};
+use serde_json::json;
+
+fn result_rate(d: &Daemon, vm: &str) -> Option<(f64, f64)> {
+    let r = d.req("GET", &format!("/v1/vms/{vm}/console?tail=50"), None);
+    let text = r.text();
+    let line = text
+        .lines()
+        .find(|l| l.starts_with("PROBE-RESULT mode=blk"))?
+        .to_string();
+    let get = |k: &str| -> f64 {
+        corral_tests::vms::field(&line, k)
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0.0)
+    };
+    Some((get("requests"), get("us")))
+}
+
+#[test]
+fn class_io_limits_are_shared_by_its_disks_and_change_live() {
+    let d = Daemon::start(&[]);
+    let dir = std::env::temp_dir().join(format!("corral-api-io-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let img = |n: &str| {
+        let p = dir.join(n);
+        std::fs::File::create(&p)
+            .unwrap()
+            .set_len(16 << 20)
+            .unwrap();
+        p.to_str().unwrap().to_string()
+    };
+    let (a, b) = (img("a.img"), img("b.img"));
+    // 400 ops/s with a bucket of 20 ops, shared by the class's disks.
+    let r = d.req(
+        "POST",
+        "/v1/classes",
+        Some(r#"{"name":"slow","shares":100,"io":{"iops":400,"burst_ops":20}}"#),
+    );
+    assert_eq!(r.status, 201, "{}", r.text());
+    let job = "probe.mode=blk probe.op=read probe.size=2M probe.bs=4K probe.qd=4";
+    for (name, path) in [("va", &a), ("vb", &b)] {
+        let body = json!({
+            "name": name, "class": "slow", "memory_mib": 64, "cmdline": job,
+            "disks": [{"id": "data", "path": path}]
+        });
+        let r = d.req("POST", "/v1/vms", Some(&body.to_string()));
+        assert_eq!(r.status, 201, "{}", r.text());
+    }
+    // Two VMs × 512 requests through one 400 ops/s group: ~2.5 s in all,
+    // each VM at about half the rate.
+    let (ra, rb) = wait_until(Duration::from_secs(60), || {
+        Some((result_rate(&d, "va")?, result_rate(&d, "vb")?))
+    })
+    .expect("both jobs finish");
+    let total_ops = ra.0 + rb.0;
+    let longest_s = ra.1.max(rb.1) / 1e6;
+    let rate = (total_ops - 20.0) / longest_s;
+    eprintln!(
+        "group of 2 disks: {total_ops} ops in {longest_s:.3} s = {rate:.1} ops/s (limit 400)"
+    );
+    assert!(
+        (rate - 400.0).abs() / 400.0 < 0.05,
+        "group rate {rate:.1} ops/s"
+    );
+    let m = d.req("GET", "/metrics", None).text();
+    let line = m
+        .lines()
+        .find(|l| {
+            l.starts_with(r#"corral_group_ops_total{class="slow",group="class:slow",op="read"}"#)
+        })
+        .unwrap_or_else(|| panic!("no group metric:\n{m}"));
+    let n: f64 = line.rsplit(' ').next().unwrap().parse().unwrap();
+    assert!(n >= 1024.0, "{line}");
+
+    // Live change: the class's limit goes up tenfold; a new job is faster.
+    let r = d.req(
+        "PATCH",
+        "/v1/classes/slow",
+        Some(r#"{"io":{"iops":4000,"burst_ops":20}}"#),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    for vm in ["va", "vb"] {
+        d.req("DELETE", &format!("/v1/vms/{vm}"), None);
+    }
+    let body = json!({
+        "name": "vc", "class": "slow", "memory_mib": 64, "cmdline": job,
+        "disks": [{"id": "data", "path": a}]
+    });
+    assert_eq!(
+        d.req("POST", "/v1/vms", Some(&body.to_string())).status,
+        201
+    );
+    let rc = wait_until(Duration::from_secs(60), || result_rate(&d, "vc")).expect("job finishes");
+    let rate = (rc.0 - 20.0) / (rc.1 / 1e6);
+    eprintln!("after PATCH: {rate:.1} ops/s (limit 4000)");
+    assert!((rate - 4000.0).abs() / 4000.0 < 0.05, "{rate:.1} ops/s");
+    d.req("DELETE", "/v1/vms/vc", None);
+    let _ = std::fs::remove_dir_all(&dir);
+}
