@@ -524,12 +524,15 @@ impl VmHandle {
             .collect()
     }
 
-    /// Moves a disk into a throttle group (with its weight there), or out of
-    /// any; applied by the device thread between two requests.
-    pub fn set_disk_group(
+    /// Sends a disk's control message to the device thread and waits (up to
+    /// 5 s) for its answer.
+    fn disk_control(
         &self,
         disk: &str,
-        group: Option<(ThrottleGroup, u32)>,
+        make: impl FnOnce(
+            usize,
+            std::sync::mpsc::Sender<Result<(), VmError>>,
+        ) -> crate::devthread::Control,
     ) -> Result<(), VmError> {
         let index = self
             .shared
@@ -539,15 +542,25 @@ impl VmHandle {
             .ok_or_else(|| VmError::NoSuchDisk(disk.to_string()))?;
         let (tx, rx) = std::sync::mpsc::channel();
         lock(&self.shared.control)
-            .send(crate::devthread::Control::SetGroup {
-                disk: index,
-                group,
-                reply: tx,
-            })
+            .send(make(index, tx))
             .map_err(|_| VmError::Config("the VM has stopped".into()))?;
         self.shared.wake_device_thread();
         rx.recv_timeout(Duration::from_secs(5))
             .map_err(|_| VmError::Config("the VM's device thread did not answer".into()))?
+    }
+
+    /// Moves a disk into a throttle group (with its weight there), or out of
+    /// any; applied by the device thread between two requests.
+    pub fn set_disk_group(
+        &self,
+        disk: &str,
+        group: Option<(ThrottleGroup, u32)>,
+    ) -> Result<(), VmError> {
+        self.disk_control(disk, |disk, reply| crate::devthread::Control::SetGroup {
+            disk,
+            group,
+            reply,
+        })
     }
 
     /// Changes a disk's limits live. The device thread swaps them between two
@@ -556,23 +569,11 @@ impl VmHandle {
         limits
             .validate()
             .map_err(|e| VmError::Config(e.to_string()))?;
-        let index = self
-            .shared
-            .disks
-            .iter()
-            .position(|(n, _, _)| n == disk)
-            .ok_or_else(|| VmError::NoSuchDisk(disk.to_string()))?;
-        let (tx, rx) = std::sync::mpsc::channel();
-        lock(&self.shared.control)
-            .send(crate::devthread::Control::SetLimits {
-                disk: index,
-                limits,
-                reply: tx,
-            })
-            .map_err(|_| VmError::Config("the VM has stopped".into()))?;
-        self.shared.wake_device_thread();
-        rx.recv_timeout(Duration::from_secs(5))
-            .map_err(|_| VmError::Config("the VM's device thread did not answer".into()))?
+        self.disk_control(disk, |disk, reply| crate::devthread::Control::SetLimits {
+            disk,
+            limits,
+            reply,
+        })
     }
 
     /// Asks the VM to stop; returns at once.
