@@ -257,31 +257,35 @@ fn validate_vcpus(vcpus: u32) -> Result<(), ModelError> {
     }
 }
 
-/// Checks a class name: 1..=64 bytes of `[A-Za-z0-9_.-]`, not starting with
-/// `.` or `-` (names appear in URLs and Prometheus labels).
-pub fn validate_class_name(name: &str) -> Result<(), ModelError> {
-    let err = |reason| {
-        Err(ModelError::InvalidClassName {
-            name: name.to_owned(),
-            reason,
-        })
-    };
+/// What is wrong with a name used in URLs and Prometheus labels (classes,
+/// and the VMM's VMs, disks and groups), if anything: it must be 1..=64
+/// bytes of `[A-Za-z0-9_.-]`, not starting with `.` or `-`.
+pub fn name_problem(name: &str) -> Option<&'static str> {
     if name.is_empty() {
-        return err("must not be empty");
-    }
-    if name.len() > MAX_CLASS_NAME_LEN {
-        return err("must be at most 64 bytes long");
-    }
-    if !name
+        Some("must not be empty")
+    } else if name.len() > MAX_CLASS_NAME_LEN {
+        Some("must be at most 64 bytes long")
+    } else if !name
         .bytes()
         .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.'))
     {
-        return err("may only contain ASCII letters, digits, '_', '-' and '.'");
+        Some("may only contain ASCII letters, digits, '_', '-' and '.'")
+    } else if name.starts_with(['.', '-']) {
+        Some("must not start with '.' or '-'")
+    } else {
+        None
     }
-    if name.starts_with(['.', '-']) {
-        return err("must not start with '.' or '-'");
+}
+
+/// Checks a class name (see [`name_problem`]).
+pub fn validate_class_name(name: &str) -> Result<(), ModelError> {
+    match name_problem(name) {
+        Some(reason) => Err(ModelError::InvalidClassName {
+            name: name.to_owned(),
+            reason,
+        }),
+        None => Ok(()),
     }
-    Ok(())
 }
 
 /// Broad category of a [`ModelError`], for mapping to API status codes.

@@ -22,6 +22,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime};
 
 use corral_devices::ConsoleLog;
+use corral_devices::bus::lock;
 use corral_scheduler::model::ErrorKind as ModelErrorKind;
 use corral_scheduler::{
     Capacity, ClassSpec, ModelError, PolicyConfig, Scheduler, Stats, VmId, VmSpec,
@@ -570,24 +571,7 @@ impl std::fmt::Debug for Manager {
     }
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-/// CPU time of a thread of this process (by Linux tid), in ns; `None` if it
-/// is gone.
-pub fn thread_cpu_ns(tid: libc::pid_t) -> Option<u64> {
-    // MAKE_THREAD_CPUCLOCK(tid, CPUCLOCK_SCHED): (~tid << 3) | PERTHREAD(4) | SCHED(2).
-    let clock: libc::clockid_t = (!tid).wrapping_shl(3) | 6;
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: clock_gettime writes into the timespec we own; an invalid
-    // clock id (thread gone) is reported as an error.
-    let r = unsafe { libc::clock_gettime(clock, &mut ts) };
-    (r == 0).then(|| ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64)
-}
+pub use crate::cpusched::thread_cpu_ns;
 
 /// Creates a class's I/O group or changes its limits live (tokens earned
 /// and waiting requests are kept).
@@ -607,35 +591,16 @@ fn set_class_group(st: &mut State, class: &str, io: &IoLimits) -> Result<(), Man
     Ok(())
 }
 
-/// Checks a VM, disk or group name: 1..=64 bytes of ASCII letters, digits,
-/// `_`, `-`, `.`, not starting with `.` or `-`.
+/// Checks a VM, disk or group name: the same rule as class names
+/// ([`corral_scheduler::model::name_problem`]).
 pub fn validate_name(what: &str, name: &str) -> Result<(), ManagerError> {
-    let bad = |why: &str| {
-        Err(ManagerError::Invalid(format!(
+    match corral_scheduler::model::name_problem(name) {
+        Some(why) => Err(ManagerError::Invalid(format!(
             "invalid {what} {name:?}: {why}"
-        )))
-    };
-    if name.is_empty() {
-        return bad("must not be empty");
+        ))),
+        None => Ok(()),
     }
-    if name.len() > MAX_NAME_LEN {
-        return bad("must be at most 64 bytes long");
-    }
-    if !name
-        .bytes()
-        .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.'))
-    {
-        return bad("may only contain ASCII letters, digits, '_', '-' and '.'");
-    }
-    if name.starts_with(['.', '-']) {
-        return bad("must not start with '.' or '-'");
-    }
-    Ok(())
 }
-
-/// Whether the VMM can attach virtio-blk disks yet. Flip when `VmConfig`
-/// carries disks.
-const DISKS_SUPPORTED: bool = true;
 
 impl Manager {
     /// A manager with its initial classes.
@@ -1027,12 +992,6 @@ impl Manager {
                     d.path.display()
                 )));
             }
-        }
-        if !req.disks.is_empty() && !DISKS_SUPPORTED {
-            return Err(ManagerError::Unsupported(
-                "this build of corral cannot attach virtio-blk disks yet; create the VM without disks"
-                    .into(),
-            ));
         }
         Ok(())
     }
