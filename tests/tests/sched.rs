@@ -250,63 +250,94 @@ fn job_ms(out: &str) -> u64 {
     field(line, "ms").and_then(|v| v.parse().ok()).expect("ms=")
 }
 
+/// Waits for VM `i` to stop, reading its vCPUs' CPU time until their
+/// threads exit; returns its console text and that CPU time (ns).
+fn wait_sampling(b: &Bench, i: usize, timeout: Duration) -> (String, u64) {
+    let t0 = Instant::now();
+    let mut cpu = 0;
+    while b.vms[i]
+        .handle
+        .wait(Some(Duration::from_millis(50)))
+        .is_none()
+    {
+        cpu = cpu.max(b.vms[i].cpu_ns());
+        assert!(
+            t0.elapsed() < timeout,
+            "VM {i} did not finish in {timeout:?}"
+        );
+    }
+    (b.wait(i, Duration::from_secs(1)), cpu)
+}
+
+/// One run of the fixed job on 2 vCPUs in class "job" (shares 3), alone or
+/// beside a 2-vCPU hog in class "hog" (shares 1). Returns the host
+/// wall-clock time from launch to exit (ms) and the share of the host's CPU
+/// its vCPUs used (%).
+fn job_run(work: &str, beside_hog: bool) -> (f64, f64) {
+    let mut b = Bench::new(Backend::Gate);
+    for (name, shares) in [("job", 3), ("hog", 1)] {
+        b.class(
+            name,
+            Class {
+                shares,
+                cap: None,
+                reservation: None,
+            },
+        );
+    }
+    let hog = beside_hog.then(|| {
+        let h = b.launch("hog", 2, 32, &spin(600));
+        std::thread::sleep(Duration::from_millis(500));
+        (h, b.vms[h].cpu_ns())
+    });
+    let t0 = Instant::now();
+    let i = b.launch("job", 2, 32, work);
+    let (out, job_cpu) = wait_sampling(&b, i, Duration::from_secs(300));
+    let ms = t0.elapsed().as_millis() as f64;
+    let share = job_cpu as f64 / 1e4 / ms / host_cpus() * 100.0;
+    job_ms(&out); // the job really ran to its result line
+    if let Some((h, h0)) = hog {
+        let hog_share =
+            b.vms[h].cpu_ns().saturating_sub(h0) as f64 / 1e4 / ms / host_cpus() * 100.0;
+        eprintln!(
+            "  beside the hog: {ms:.0} ms, job {share:.1} % of the host, hog {hog_share:.1} %"
+        );
+        print_stats(&b);
+    } else {
+        eprintln!("  alone: {ms:.0} ms, job {share:.1} % of the host");
+    }
+    (ms, share)
+}
+
+/// The starvation case (a CPU hog once slowed a kernel build from 13 s to
+/// 133 s): with shares 3:1 against the hog the job finishes in at most its
+/// solo time / 0.75 + 3 %.
+///
+/// The nested host's speed varies from run to run (a run now and then is
+/// 15-40 % slower at the same CPU share: the outer hypervisor, not us), and
+/// that noise only ever slows a run down. So the job runs alone and beside
+/// the hog in interleaved pairs and the test compares the fastest of each,
+/// the usual estimator for a one-sided noise.
 #[test]
 fn gate_job_beside_a_hog_is_not_starved() {
     retry_once(|| {
         let _g = HOST.lock().unwrap_or_else(|p| p.into_inner());
-        // A unit is ~5000 iterations of the probe's integer loop: ~20 ms here,
-        // where the guest is emulated (~1 µs per instruction).
-        let units = 100 * secs();
+        // A unit is ~5000 iterations of the probe's integer loop: ~30 ms of
+        // one vCPU here, where the guest is emulated (~1 us per instruction).
+        let units = 60 * secs();
         let work = format!("probe.mode=work probe.units={units} probe.unit_iters=5000");
-        // Solo time, host wall clock.
-        let mut solo = Bench::new(Backend::Gate);
-        solo.class(
-            "job",
-            Class {
-                shares: 3,
-                cap: None,
-                reservation: None,
-            },
-        );
-        let t0 = Instant::now();
-        let i = solo.launch("job", 2, 32, &work);
-        let out = solo.wait(i, Duration::from_secs(120));
-        let solo_ms = t0.elapsed().as_millis() as f64;
-        let solo_guest = job_ms(&out);
-        drop(solo);
-
-        let mut b = Bench::new(Backend::Gate);
-        b.class(
-            "job",
-            Class {
-                shares: 3,
-                cap: None,
-                reservation: None,
-            },
-        );
-        b.class(
-            "hog",
-            Class {
-                shares: 1,
-                cap: None,
-                reservation: None,
-            },
-        );
-        b.launch("hog", 2, 32, &spin(600));
-        std::thread::sleep(Duration::from_millis(500));
-        let t0 = Instant::now();
-        let i = b.launch("job", 2, 32, &work);
-        let out = b.wait(i, Duration::from_secs(300));
-        let with_ms = t0.elapsed().as_millis() as f64;
-        let bound = solo_ms / 0.75 * 1.03;
+        let (mut solo, mut with) = (f64::MAX, f64::MAX);
+        for _ in 0..3 {
+            solo = solo.min(job_run(&work, false).0);
+            with = with.min(job_run(&work, true).0);
+        }
+        let bound = solo / 0.75 * 1.03;
         eprintln!(
-            "job alone {solo_ms:.0} ms (guest {solo_guest} ms), beside a hog with shares 3:1 {with_ms:.0} ms (guest {} ms), bound {bound:.0} ms",
-            job_ms(&out)
+            "job alone {solo:.0} ms, beside a hog with shares 3:1 {with:.0} ms \
+             ({:.3}x; fastest of 3 each), bound {bound:.0} ms",
+            with / solo
         );
-        assert!(
-            with_ms <= bound,
-            "job took {with_ms:.0} ms, bound {bound:.0} ms"
-        );
+        assert!(with <= bound, "job took {with:.0} ms, bound {bound:.0} ms");
     });
 }
 
