@@ -378,7 +378,7 @@ fn scheduler_thread_is_cheap_with_100_vcpus() {
             (c1 - c0) as f64 / 1000.0 / (t1 - t0).max(1) as f64
         );
         // The < 1 % target is a benchmark figure for a release build
-        // (`target/release/schedbench`, BENCHMARKS.md); tests run a debug
+        // (`target/x86_64-unknown-linux-gnu/release/schedbench`, BENCHMARKS.md); tests run a debug
         // build, which is several times slower: this only catches a regression
         // of that order.
         let bound = if cfg!(debug_assertions) { 5.0 } else { 1.0 };

@@ -2,7 +2,7 @@
 //!
 //! ```sh
 //! cargo build --release -p corral-api -p corral-tests
-//! target/release/blkbench [RUNS]
+//! target/x86_64-unknown-linux-gnu/release/blkbench [RUNS]
 //! ```
 //!
 //! Host page cache warm (the disk file is written and read once first);

@@ -3,7 +3,7 @@
 //!
 //! ```sh
 //! cargo build --release -p corral-api -p corral-tests
-//! target/release/bootbench [RUNS] [VCPUS] [MEMORY_MIB]
+//! target/x86_64-unknown-linux-gnu/release/bootbench [RUNS] [VCPUS] [MEMORY_MIB]
 //! ```
 //!
 //! One warm-up run, then RUNS (default 11) measured runs; prints each run and
@@ -21,6 +21,36 @@ fn rss_kib(pid: u32) -> Option<u64> {
         .nth(1)?
         .parse()
         .ok()
+}
+
+/// Prints the resident KiB of each mapping of `pid` (largest first): where
+/// the RSS at `PROBE-UP` comes from.
+fn print_smaps(pid: u32) {
+    let Ok(text) = std::fs::read_to_string(format!("/proc/{pid}/smaps")) else {
+        return;
+    };
+    let mut rows: Vec<(u64, String)> = Vec::new();
+    let mut name = String::new();
+    for l in text.lines() {
+        let first = l.split_whitespace().next().unwrap_or("");
+        if first.contains('-') && !first.ends_with(':') {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            name = format!(
+                "{} {}",
+                f.get(1).unwrap_or(&""),
+                f.get(5).unwrap_or(&"[anon]")
+            );
+        } else if let Some(v) = l.strip_prefix("Rss:") {
+            let kib: u64 = v.trim().trim_end_matches(" kB").trim().parse().unwrap_or(0);
+            if kib > 0 {
+                rows.push((kib, name.clone()));
+            }
+        }
+    }
+    rows.sort_by(|a, b| b.0.cmp(&a.0));
+    for (kib, n) in rows {
+        eprintln!("  {kib:6} KiB  {n}");
+    }
 }
 
 fn one(vcpus: &str, mem: &str) -> (f64, u64) {
@@ -52,6 +82,9 @@ fn one(vcpus: &str, mem: &str) -> (f64, u64) {
         }
     };
     let rss = rss_kib(child.id()).unwrap_or(0);
+    if std::env::var_os("BOOTBENCH_SMAPS").is_some() {
+        print_smaps(child.id());
+    }
     let _ = child.kill();
     let _ = child.wait();
     (ms, rss)

@@ -2,7 +2,7 @@
 //!
 //! ```sh
 //! cargo build --release -p corral-api -p corral-tests
-//! target/release/schedbench
+//! target/x86_64-unknown-linux-gnu/release/schedbench
 //! ```
 //!
 //! 1. the scheduler thread's own CPU use with 100 vCPUs (25 VMs × 4);
