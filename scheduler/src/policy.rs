@@ -721,7 +721,8 @@ impl Policy {
         } = self;
         items.clear();
         for c in classes.iter() {
-            let demand: f64 = vms[c.start..c.end].iter().map(|v| v.demand).sum();
+            // fold from +0.0: an empty class's sum() would be -0.0 (shown as "-0.0").
+            let demand = vms[c.start..c.end].iter().fold(0.0, |a, v| a + v.demand);
             let hi = c.spec.cap.map_or(demand, |cap| demand.min(f64::from(cap)));
             let lo = (c.spec.reserved_percent() as f64).min(hi);
             items.push(Wf {
@@ -1135,6 +1136,12 @@ mod tests {
         let e = entitlements(&m, |id, s| if id == VmId(1) { s.vcpus } else { 0 });
         assert!((e.classes["a"] - 200.0).abs() < 1e-9);
         assert_eq!(e.classes["b"], 0.0);
+        // A class without VMs on an otherwise idle host is entitled to +0
+        // (not -0, which the CLI showed as "-0.0").
+        let mut m = Model::new(Capacity::from_cpus(2));
+        m.create_class("empty", ClassSpec::new(5)).unwrap();
+        let e = entitlements(&m, |_, s| s.vcpus);
+        assert!(e.classes["empty"] == 0.0 && e.classes["empty"].is_sign_positive());
     }
 
     fn two_hogs() -> Model {
