@@ -39,7 +39,7 @@ pub enum VmCmd {
         /// Kernel command line (for the probe e.g. `probe.mode=spin probe.secs=30`).
         #[arg(long)]
         cmdline: Option<String>,
-        /// A disk: `PATH[,readonly][,direct][,id=NAME][,group=NAME][,bps=N,iops=N,...]`.
+        /// A disk: `PATH[,readonly][,direct][,id=NAME][,bps=N,iops=N,...]`.
         #[arg(long)]
         disk: Vec<String>,
     },
@@ -253,7 +253,7 @@ fn parse_limits<'a>(items: impl Iterator<Item = &'a str>) -> Result<dto::Limits,
     Ok(l)
 }
 
-/// Parses `--disk PATH[,readonly][,direct][,id=..][,group=..][,limits]`.
+/// Parses `--disk PATH[,readonly][,direct][,id=..][,limits]`.
 pub fn parse_disk(spec: &str) -> Result<dto::DiskCreate, CliError> {
     let mut d = dto::DiskCreate {
         id: None,
@@ -261,7 +261,6 @@ pub fn parse_disk(spec: &str) -> Result<dto::DiskCreate, CliError> {
         readonly: false,
         direct: false,
         limits: dto::Limits::default(),
-        group: None,
     };
     for (i, item) in spec.split(',').map(str::trim).enumerate() {
         match item.split_once('=') {
@@ -271,7 +270,6 @@ pub fn parse_disk(spec: &str) -> Result<dto::DiskCreate, CliError> {
             None => return Err(CliError(format!("--disk {spec}: unknown flag {item:?}"))),
             Some(("path", v)) => d.path = v.to_string(),
             Some(("id", v)) => d.id = Some(v.to_string()),
-            Some(("group", v)) => d.group = Some(v.to_string()),
             Some((k, v)) => {
                 if !set_limit(&mut d.limits, k, v)? {
                     return Err(CliError(format!("--disk {spec}: unknown key {k:?}")));

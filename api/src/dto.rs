@@ -246,8 +246,6 @@ pub struct DiskCreate {
     pub direct: bool,
     #[serde(default, deserialize_with = "object")]
     pub limits: Limits,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub group: Option<String>,
 }
 
 /// `POST /v1/vms`.
@@ -300,7 +298,6 @@ impl VmCreate {
                     readonly: d.readonly,
                     direct: d.direct,
                     limits: d.limits.into(),
-                    group: d.group,
                 })
                 .collect(),
         }
@@ -351,7 +348,7 @@ impl From<DiskInfo> for Disk {
             readonly: c.readonly,
             direct: c.direct,
             limits: c.limits.into(),
-            group: c.group,
+            group: d.group,
             capacity_bytes: d.capacity_bytes,
             stats: d.stats.map(|s| DiskStats {
                 read_ops: s.read.ops,

@@ -67,7 +67,6 @@ impl From<ManagerError> for ApiError {
             ErrorKind::NotFound => (StatusCode::NOT_FOUND, "not_found"),
             ErrorKind::Conflict => (StatusCode::CONFLICT, "conflict"),
             ErrorKind::Refused => (StatusCode::UNPROCESSABLE_ENTITY, "refused"),
-            ErrorKind::Unsupported => (StatusCode::UNPROCESSABLE_ENTITY, "unsupported"),
             ErrorKind::Internal => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
         };
         if status == StatusCode::INTERNAL_SERVER_ERROR {

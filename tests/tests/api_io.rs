@@ -100,5 +100,23 @@ fn class_io_limits_are_shared_by_its_disks_and_change_live() {
     eprintln!("after PATCH: {rate:.1} ops/s (limit 4000)");
     assert!((rate - 4000.0).abs() / 4000.0 < 0.05, "{rate:.1} ops/s");
     d.req("DELETE", "/v1/vms/vc", None);
+
+    // Moving a VM moves its disks to the new class's group, live.
+    let body = json!({
+        "name": "vd", "class": "slow", "memory_mib": 64,
+        "cmdline": "probe.mode=spin probe.secs=30",
+        "disks": [{"id": "data", "path": a}]
+    });
+    let r = d.req("POST", "/v1/vms", Some(&body.to_string()));
+    assert_eq!(r.status, 201, "{}", r.text());
+    let group = |d: &Daemon| d.req("GET", "/v1/vms/vd", None).json()["disks"][0]["group"].clone();
+    wait_until(Duration::from_secs(10), || {
+        (group(&d) == "class:slow").then_some(())
+    })
+    .unwrap_or_else(|| panic!("disk not in class:slow: {}", group(&d)));
+    let r = d.req("POST", "/v1/vms/vd/move", Some(r#"{"class":"default"}"#));
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(group(&d), "class:default");
+    d.req("DELETE", "/v1/vms/vd", None);
     let _ = std::fs::remove_dir_all(&dir);
 }

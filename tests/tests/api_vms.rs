@@ -527,10 +527,12 @@ fn pause_resume_and_disk_limits() {
         m.contains(r#"corral_disk_limit{vm="io",disk="data",kind="iops"} 1000"#),
         "{m}"
     );
-    // Named groups are not there yet: a clear 422.
+    // Every disk is in its class's I/O group, and says so.
+    assert_eq!(v["disks"][0]["group"], "class:default", "{v}");
+    // A disk cannot choose another group: an unknown field, 400.
     let body = json!({"memory_mib": 16, "disks": [{"path": img.to_str().unwrap(), "group": "g"}]});
     d.req("POST", "/v1/vms", Some(&body.to_string()))
-        .assert_error(422, "unsupported");
+        .assert_error(400, "bad_request");
 
     // Pause: the vCPUs stop using CPU; resume: they go on.
     let cpu = |d: &Daemon| {

@@ -54,8 +54,6 @@ pub enum ErrorKind {
     Conflict,
     /// Refused by admission control or resource limits (422).
     Refused,
-    /// Valid, but this build of corral cannot do it yet (422).
-    Unsupported,
     /// The host failed (500).
     Internal,
 }
@@ -75,9 +73,6 @@ pub enum ManagerError {
     /// Refused by admission control or a resource limit.
     #[error("{0}")]
     Refused(String),
-    /// Not supported by this build yet.
-    #[error("{0}")]
-    Unsupported(String),
     /// The scheduler model refused.
     #[error(transparent)]
     Model(#[from] ModelError),
@@ -97,7 +92,6 @@ impl ManagerError {
             Self::NotFound(_) => ErrorKind::NotFound,
             Self::Conflict(_) => ErrorKind::Conflict,
             Self::Refused(_) => ErrorKind::Refused,
-            Self::Unsupported(_) => ErrorKind::Unsupported,
             Self::ShuttingDown => ErrorKind::Conflict,
             Self::Model(m) => match m.kind() {
                 ModelErrorKind::Invalid => ErrorKind::Invalid,
@@ -209,8 +203,6 @@ pub struct DiskConfig {
     pub direct: bool,
     /// The disk's own limits.
     pub limits: IoLimits,
-    /// A named throttle group shared with other disks.
-    pub group: Option<String>,
 }
 
 /// A VM as requested.
@@ -368,6 +360,9 @@ pub struct DiskInfo {
     pub capacity_bytes: u64,
     /// Throttle counters, when the VM has the disk attached.
     pub stats: Option<corral_blkthrottle::Stats>,
+    /// The I/O group the disk is in now (`class:<its VM's class>`), when
+    /// the VM has the disk attached.
+    pub group: Option<String>,
 }
 
 /// Snapshot of one VM.
@@ -521,6 +516,7 @@ impl Entry {
             if let Some(d) = disks.iter_mut().find(|d| d.config.id == live.name) {
                 d.capacity_bytes = live.capacity_bytes;
                 d.stats = Some(live.stats);
+                d.group = live.group;
             }
         }
         disks
@@ -973,13 +969,6 @@ impl Manager {
                     d.id
                 )));
             }
-            if let Some(g) = &d.group {
-                validate_name("group name", g)?;
-                return Err(ManagerError::Unsupported(format!(
-                    "disk {}: named I/O groups are not available yet (group {g:?})",
-                    d.id
-                )));
-            }
             d.limits.validate()?;
             let meta = std::fs::metadata(&d.path).map_err(|e| {
                 ManagerError::Invalid(format!("disk {}: {}: {e}", d.id, d.path.display()))
@@ -1075,6 +1064,7 @@ impl Manager {
                                 config: d.clone(),
                                 capacity_bytes: 0,
                                 stats: None,
+                                group: None,
                             })
                             .collect(),
                     ),

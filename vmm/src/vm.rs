@@ -147,7 +147,7 @@ pub struct DiskInfo {
     pub limits: Limits,
     /// Throttle counters (ops, bytes, throttled, latency), if a throttle is installed.
     pub stats: corral_blkthrottle::Stats,
-    /// The group, if any.
+    /// The throttle group the disk is in now, if any.
     pub group: Option<String>,
 }
 
@@ -503,12 +503,20 @@ impl VmHandle {
             .map(|(name, d, block)| {
                 let mut b = lock(block);
                 let capacity_bytes = b.capacity_sectors() * 512;
-                let (stats, limits) = match b
+                let (stats, limits, group) = match b
                     .gate_mut()
                     .and_then(|g| g.as_any_mut().downcast_mut::<Throttle>())
                 {
-                    Some(t) => (t.stats(), t.limits()),
-                    None => (corral_blkthrottle::Stats::default(), Limits::default()),
+                    Some(t) => (
+                        t.stats(),
+                        t.limits(),
+                        t.group().map(|g| g.name().to_string()),
+                    ),
+                    None => (
+                        corral_blkthrottle::Stats::default(),
+                        Limits::default(),
+                        None,
+                    ),
                 };
                 DiskInfo {
                     name: name.clone(),
@@ -518,7 +526,7 @@ impl VmHandle {
                     capacity_bytes,
                     limits,
                     stats,
-                    group: d.group.as_ref().map(|(g, _)| g.name().to_string()),
+                    group,
                 }
             })
             .collect()

@@ -205,7 +205,6 @@ impl Vm {
                     readonly: false,
                     direct: false,
                     limits: *l,
-                    group: None,
                 })
                 .collect(),
             ..Default::default()

@@ -47,7 +47,7 @@ fn print_smaps(pid: u32) {
             }
         }
     }
-    rows.sort_by(|a, b| b.0.cmp(&a.0));
+    rows.sort_by_key(|r| std::cmp::Reverse(r.0));
     for (kib, n) in rows {
         eprintln!("  {kib:6} KiB  {n}");
     }
