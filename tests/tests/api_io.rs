@@ -9,7 +9,10 @@ use serde_json::json;
 fn result_rate(d: &Daemon, vm: &str) -> Option<(f64, f64)> {
     let r = d.req("GET", &format!("/v1/vms/{vm}/console?tail=50"), None);
     let text = r.text();
-    let line = text
+    // Only whole lines: the guest writes the console a byte at a time, so a
+    // read can catch the result line half written ("requests=5" of 512).
+    let whole = &text[..text.rfind('\n').map_or(0, |i| i + 1)];
+    let line = whole
         .lines()
         .find(|l| l.starts_with("PROBE-RESULT mode=blk"))?
         .to_string();
