@@ -131,6 +131,7 @@ static const char *do_io(const struct vblk_dev *d, u32 disk)
 	struct vblk_stats st, wst;
 	memset(&st, 0, sizeof(st));
 	st.first_mismatch = ~0UL;
+	vblk_notifies = vblk_notifies_skipped = 0;
 	const char *reason = NULL;
 	u64 flush_us = 0, write_us = 0, read_us = 0;
 	bool flushed = false;
@@ -190,9 +191,9 @@ static const char *do_io(const struct vblk_dev *d, u32 disk)
 
 	console_lock();
 	kprintf_unlocked("PROBE-RESULT mode=blk disk=%u op=%s requests=%lu errors=%lu bytes=%lu "
-			 "us=%lu capacity=%lu bs=%u qd=%u",
+			 "us=%lu capacity=%lu bs=%u qd=%u notifies=%lu skipped=%lu",
 			 disk, op, st.requests, st.errors, st.bytes, cyc_us(st.cycles), d->capacity,
-			 bs, qd);
+			 bs, qd, vblk_notifies, vblk_notifies_skipped);
 	if (verify && strcmp(op, "verify") == 0)
 		kprintf_unlocked(" mismatches=%lu write_us=%lu read_us=%lu", st.mismatches, write_us,
 				 read_us);

@@ -220,6 +220,7 @@ u32 vblk_sync(const struct vblk_dev *d, u32 type, u64 sector, u64 buf, u32 len, 
 	      u64 timeout_ms);
 void vblk_pattern_init(u64 seed);
 void vblk_run(const struct vblk_dev *d, const struct vblk_job *job, struct vblk_stats *st);
+extern u64 vblk_notifies, vblk_notifies_skipped;
 
 /* ---- modes ---- */
 struct probe_mode {

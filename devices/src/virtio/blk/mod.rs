@@ -151,6 +151,8 @@ pub struct Block {
     timer: GateTimer,
     gate: Option<Box<dyn RequestGate>>,
     active: Option<Active>,
+    /// How long to keep polling the available ring after serving it (ns).
+    poll_ns: u64,
 }
 
 impl std::fmt::Debug for Block {
@@ -229,7 +231,15 @@ impl Block {
             timer: GateTimer::new().map_err(BlockError::Fd)?,
             gate: None,
             active: None,
+            poll_ns: poll_ns(),
         })
+    }
+
+    /// Sets how long the device keeps polling the available ring after it
+    /// served it, in ns (0: not at all; default [`POLL_NS`] or
+    /// `CORRAL_BLK_POLL_US`).
+    pub fn set_poll_ns(&mut self, ns: u64) {
+        self.poll_ns = ns;
     }
 
     /// Counters of this disk.
@@ -383,35 +393,58 @@ impl Block {
     }
 
     /// Serves the queue, then keeps polling the available ring for up to
-    /// `POLL_NS` for more requests before going back to sleep: a driver that
-    /// refills the ring as completions arrive is served without a device
-    /// thread wake-up per batch (the dominant cost of small requests).
+    /// the poll window for more requests before going back to sleep. While
+    /// it polls, `VRING_USED_F_NO_NOTIFY` stays set, so a driver that checks
+    /// it (the probe does; Linux does) skips its notify: a driver that
+    /// refills the ring as completions arrive is served with neither a
+    /// guest exit nor a device thread wake-up per batch. When the window
+    /// ends without work, notifications are re-enabled and the ring checked
+    /// once more (a request published just before that check would
+    /// otherwise wait for a notify that never comes).
     pub fn process_queue_polling(&mut self) {
-        let poll = poll_ns();
+        let poll = self.poll_ns;
         if poll == 0 {
             self.process_queue();
             return;
         }
-        let deadline = monotonic_ns().saturating_add(poll);
         loop {
             self.process_queue();
-            let Some(act) = self.active.as_ref() else {
+            let Some(act) = self.active.as_mut() else {
                 return;
             };
             if act.broken || act.waiting.is_some() || !act.queue.ready() {
                 return;
             }
+            if act.queue.disable_notification(&act.mem).is_err() {
+                break_ring(act, &self.engine.stats);
+                return;
+            }
             let seen = Wrapping(act.queue.next_avail());
-            loop {
+            let deadline = monotonic_ns().saturating_add(poll);
+            let more = loop {
                 match act.queue.avail_idx(&act.mem, Ordering::Acquire) {
-                    Ok(idx) if idx != seen => break,
+                    Ok(idx) if idx != seen => break true,
                     Ok(_) => {}
-                    Err(_) => return,
+                    Err(_) => {
+                        break_ring(act, &self.engine.stats);
+                        return;
+                    }
                 }
                 if monotonic_ns() >= deadline {
-                    return;
+                    break false;
                 }
                 std::hint::spin_loop();
+            };
+            if more {
+                continue;
+            }
+            match act.queue.enable_notification(&act.mem) {
+                Ok(true) => continue,
+                Ok(false) => return,
+                Err(_) => {
+                    break_ring(act, &self.engine.stats);
+                    return;
+                }
             }
         }
     }

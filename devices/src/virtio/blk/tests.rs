@@ -697,6 +697,53 @@ fn budget_yields_and_rekicks() {
     assert_eq!(h.ring.used_idx(), 256);
 }
 
+/// While the device polls the ring after a batch, `VRING_USED_F_NO_NOTIFY`
+/// is set (a driver need not notify) and a request published meanwhile is
+/// served without a notification; when the window ends idle, notifications
+/// are on again.
+#[test]
+fn polling_serves_without_notifications_and_reenables_them() {
+    // Without EVENT_IDX, as the probe drives it: the flag is the protocol.
+    let (_t, p) = disk_file(MIB);
+    let disk = DiskFile::open(&p, false, false).unwrap();
+    let mut h = Harness::new(disk, 4 * MIB, crate::virtio::features::RING_EVENT_IDX);
+    let used_flags = |m: &vm_memory::GuestMemoryMmap| -> u16 {
+        m.read_obj::<u16>(GuestAddress(USED_ADDR)).unwrap()
+    };
+    write_header(&h.mem, HDR, request::T_FLUSH, 0);
+    h.ring.submit(&[(HDR, 16, false), (STATUS, 1, true)]);
+    // The second request is written now and published by another thread
+    // while the device polls.
+    let head2 = h.ring.add_chain(&[(HDR, 16, false), (STATUS + 8, 1, true)]);
+    let mem = h.mem.clone();
+    let driver = std::thread::spawn(move || {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        let flag_while_polling = used_flags(&mem);
+        mem.write_obj(head2.to_le(), GuestAddress(AVAIL_ADDR + 4 + 2))
+            .unwrap();
+        mem.write_obj(2u16.to_le(), GuestAddress(AVAIL_ADDR + 2))
+            .unwrap();
+        flag_while_polling
+    });
+    let t0 = std::time::Instant::now();
+    {
+        let mut b = lock(&h.block);
+        b.set_poll_ns(200_000_000);
+        b.process_queue_polling();
+    }
+    let took = t0.elapsed();
+    let flag_while_polling = driver.join().unwrap();
+    assert_eq!(flag_while_polling & 1, 1, "NO_NOTIFY not set while polling");
+    assert_eq!(
+        h.ring.used_idx(),
+        2,
+        "request published while polling not served"
+    );
+    assert_eq!(used_flags(&h.mem) & 1, 0, "notifications not re-enabled");
+    // Served within the window, then one idle window (200 ms) to return.
+    assert!(took >= std::time::Duration::from_millis(200), "{took:?}");
+}
+
 #[test]
 fn mmio_notify_signals_queue_eventfd() {
     let (_t, mut h) = harness();
