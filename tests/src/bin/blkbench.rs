@@ -2,22 +2,34 @@
 //!
 //! ```sh
 //! cargo build --release -p corral-api -p corral-tests
-//! target/x86_64-unknown-linux-gnu/release/blkbench [RUNS]
+//! target/x86_64-unknown-linux-gnu/release/blkbench [RUNS] [--pairs N] [--poll-ab US]
 //! ```
 //!
 //! Host page cache warm (the disk file is written and read once first);
-//! median of RUNS (default 5) per job; then the overhead of a limit 100×
-//! above what the disk does, interleaved none / limited, RUNS pairs.
+//! median of RUNS (default 5) per job. Then, with `--poll-ab US`, each job
+//! with the device's ring polling off versus `US` µs, interleaved pairs; and
+//! the overhead of a limit 100× above what the disk does against no limit,
+//! interleaved pairs (N, default 21; the order inside a pair alternates),
+//! reported as the median and the mean ± 95 % interval of the per-pair
+//! ratios.
 
 use std::process::{Command, Stdio};
 
 fn run(disk: &str, probe: &str) -> (f64, f64) {
-    let out = Command::new(corral_tests::corral_bin())
-        .args(["run", "--memory", "96", "--disk", disk, "--cmdline", probe])
+    run_env(disk, probe, None)
+}
+
+/// One `corral run` of the probe's blk job; `poll_us` sets
+/// `CORRAL_BLK_POLL_US` for it. Returns (bytes, guest µs).
+fn run_env(disk: &str, probe: &str, poll_us: Option<u64>) -> (f64, f64) {
+    let mut cmd = Command::new(corral_tests::corral_bin());
+    cmd.args(["run", "--memory", "96", "--disk", disk, "--cmdline", probe])
         .stdin(Stdio::null())
-        .stderr(Stdio::inherit())
-        .output()
-        .expect("run corral");
+        .stderr(Stdio::inherit());
+    if let Some(us) = poll_us {
+        cmd.env("CORRAL_BLK_POLL_US", us.to_string());
+    }
+    let out = cmd.output().expect("run corral");
     let text = String::from_utf8_lossy(&out.stdout);
     let line = text
         .lines()
@@ -32,16 +44,60 @@ fn run(disk: &str, probe: &str) -> (f64, f64) {
     (get("bytes"), get("us"))
 }
 
+/// Runs `a` and `b` in `n` interleaved pairs (alternating which goes
+/// first) and returns their times and the per-pair ratios b / a.
+fn pairs(n: usize, a: impl Fn() -> f64, b: impl Fn() -> f64) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+    let (mut ta, mut tb, mut r) = (Vec::new(), Vec::new(), Vec::new());
+    for i in 0..n {
+        let (x, y) = if i % 2 == 0 {
+            let x = a();
+            (x, b())
+        } else {
+            let y = b();
+            (a(), y)
+        };
+        ta.push(x);
+        tb.push(y);
+        r.push(y / x);
+    }
+    (ta, tb, r)
+}
+
+/// Mean and half-width of its 95 % interval (normal approximation).
+fn mean_ci(v: &[f64]) -> (f64, f64) {
+    let n = v.len() as f64;
+    let m = v.iter().sum::<f64>() / n;
+    let var = v.iter().map(|x| (x - m).powi(2)).sum::<f64>() / (n - 1.0).max(1.0);
+    (m, 1.96 * (var / n).sqrt())
+}
+
 fn median(v: &mut [f64]) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     v[v.len() / 2]
 }
 
 fn main() {
-    let runs: usize = std::env::args()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(5);
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let mut runs = 5usize;
+    let mut npairs = 21usize;
+    let mut poll_ab: Option<u64> = None;
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        let mut num = |what: &str| -> u64 {
+            it.next()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or_else(|| panic!("{what} needs a number"))
+        };
+        match a.as_str() {
+            "--pairs" => npairs = num("--pairs").max(1) as usize,
+            "--poll-ab" => poll_ab = Some(num("--poll-ab")),
+            n => {
+                runs = n
+                    .parse()
+                    .unwrap_or_else(|_| panic!("unknown argument {n:?}"))
+            }
+        }
+    }
     let dir = std::env::temp_dir().join(format!("corral-blkbench-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let img = dir.join("disk.img");
@@ -82,26 +138,57 @@ fn main() {
         );
     }
 
-    // Overhead of limits that are never hit: 100x above what the disk does here.
-    let probe = "probe.mode=blk probe.op=read probe.size=32M probe.bs=128K probe.qd=4";
-    let limited = format!("{disk},bps=200G,iops=10000000");
-    run(&disk, probe);
-    let (mut a, mut b) = (Vec::new(), Vec::new());
-    for _ in 0..runs.max(5) {
-        a.push(run(&disk, probe).1);
-        b.push(run(&limited, probe).1);
+    if let Some(us) = poll_ab {
+        println!(
+            "device ring polling: off vs {us} us after each batch, {npairs} interleaved pairs"
+        );
+        for (name, p) in jobs {
+            let probe = format!("probe.mode=blk {p}");
+            let (mut a, mut b, mut r) = pairs(
+                npairs,
+                || run_env(&disk, &probe, Some(0)).1,
+                || run_env(&disk, &probe, Some(us)).1,
+            );
+            let (m, ci) = mean_ci(&r);
+            println!(
+                "  {name:32} off median {:8.2} ms, polling median {:8.2} ms; polling/off median {:.3}, mean {:.3} ± {:.3}",
+                median(&mut a) / 1000.0,
+                median(&mut b) / 1000.0,
+                median(&mut r),
+                m,
+                ci
+            );
+        }
     }
-    let (ma, mb) = (median(&mut a), median(&mut b));
-    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
-    println!(
-        "limit 100x above need vs none ({} interleaved pairs, 32 MiB read): none median {:.2} ms mean {:.2}, limited median {:.2} ms mean {:.2}; difference {:+.2} % (median), {:+.2} % (mean)",
-        a.len(),
-        ma / 1000.0,
-        mean(&a) / 1000.0,
-        mb / 1000.0,
-        mean(&b) / 1000.0,
-        (mb - ma) / ma * 100.0,
-        (mean(&b) - mean(&a)) / mean(&a) * 100.0
-    );
+
+    // Overhead of limits that are never hit: 100x above what the disk does here.
+    println!("limit 100x above need vs none, {npairs} interleaved pairs (ratio limited/none):");
+    for (name, p, limit) in [
+        (
+            "32 MiB read, 128 KiB, qd 4",
+            "probe.op=read probe.size=32M probe.bs=128K probe.qd=4",
+            "bps=400G,iops=10000000",
+        ),
+        (
+            "8 MiB read, 2048 x 4 KiB, qd 4",
+            "probe.op=read probe.size=8M probe.bs=4K probe.qd=4",
+            "bps=400G,iops=10000000",
+        ),
+    ] {
+        let probe = format!("probe.mode=blk {p}");
+        let limited = format!("{disk},{limit}");
+        run(&disk, &probe);
+        let (mut a, mut b, mut r) =
+            pairs(npairs, || run(&disk, &probe).1, || run(&limited, &probe).1);
+        let (m, ci) = mean_ci(&r);
+        println!(
+            "  {name:32} none median {:8.2} ms, limited ({limit}) median {:8.2} ms; ratio median {:+.2} %, mean {:+.2} % ± {:.2} %",
+            median(&mut a) / 1000.0,
+            median(&mut b) / 1000.0,
+            (median(&mut r) - 1.0) * 100.0,
+            (m - 1.0) * 100.0,
+            ci * 100.0
+        );
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }
