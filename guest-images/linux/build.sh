@@ -344,6 +344,10 @@ cat > "$ROOT/init" <<'INIT'
 #   corral.run=PATH       run this script (path on the mounted disk, else in the
 #                         initramfs) before CORRAL-LINUX-DONE; prints CORRAL-LINUX-RUN rc=N
 #   corral.shell          start an interactive shell on the console before halting
+#   corral.root=DEV       hand over to the root file system on DEV (/dev/vda; it is
+#                         mounted as above): after CORRAL-LINUX-MEM, move /dev, /proc
+#                         and /sys there and switch_root to init= (default /sbin/init);
+#                         prints CORRAL-LINUX-ROOT (error=... and carries on if it cannot)
 #   corral.halt=auto|poweroff|reboot|hang   how to stop (default auto: poweroff
 #                         if the ACPI DSDT has an _S5_ object, else reboot -f)
 PATH=/bin:/sbin:/usr/bin:/usr/sbin
@@ -445,6 +449,22 @@ fi
 echo "CORRAL-LINUX-CPUS n=$ncpu"
 memkb=$(awk '/^MemTotal:/ { print $2 }' /proc/meminfo)
 echo "CORRAL-LINUX-MEM kb=$memkb"
+
+# --- hand over to a root file system on the disk (corral.root=, init=) ---
+if root=$(opt corral.root); then
+    rinit=$(opt init) || rinit=/sbin/init
+    if [ "${dev:-}" != "$root" ] || [ "${fs:-raw}" = raw ] || ! grep -q ' /mnt ' /proc/mounts; then
+        echo "CORRAL-LINUX-ROOT error=not-mounted dev=$root"
+    elif [ ! -e "/mnt$rinit" ] && [ ! -L "/mnt$rinit" ]; then
+        echo "CORRAL-LINUX-ROOT error=no-init dev=$root init=$rinit"
+    else
+        echo "CORRAL-LINUX-ROOT dev=$root init=$rinit"
+        for m in dev proc sys; do
+            mount --move "/$m" "/mnt/$m" 2>/dev/null || umount -l "/$m" 2>/dev/null
+        done
+        exec switch_root -c /dev/console /mnt "$rinit"
+    fi
+fi
 
 # --- optional workload ---
 if run=$(opt corral.run); then

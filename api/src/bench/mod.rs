@@ -4,8 +4,10 @@
 //! a ratio — run in-process through the [`Manager`](corral_vmm::manager::Manager),
 //! the daemon's own path.
 //!
-//! * `overhead`: the probe's CPU job and I/O job with the manager off, with
-//!   the CPU scheduler on (no contention) and with I/O limits far above need.
+//! * `overhead`: the probe's CPU job and I/O job, and on hosts with hardware
+//!   virtualisation a Linux guest's kernel compile ([`linux`]), with the
+//!   manager off, with the CPU scheduler on (no contention) and with I/O
+//!   limits far above need.
 //! * `interference`: a victim VM's job alone, beside a CPU hog and beside an
 //!   I/O hog, with equal classes and with shares 3:1 plus an I/O limit on
 //!   the hog.
@@ -23,6 +25,7 @@ use std::time::Duration;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 mod interference;
+mod linux;
 mod overhead;
 mod plot;
 mod report;
@@ -81,8 +84,24 @@ pub enum JobKind {
     Cpu,
     /// The probe's virtio-blk read job.
     Io,
-    /// Both.
+    /// Both probe jobs.
     Both,
+    /// Only the Linux kernel compile (an error if it cannot run here).
+    Linux,
+    /// Both probe jobs, and the Linux kernel compile where this host and the
+    /// images allow it (not with --quick); the report says why not otherwise.
+    All,
+}
+
+impl JobKind {
+    /// Whether the Linux job is asked for.
+    pub fn linux_selection(self) -> linux::Selection {
+        match self {
+            Self::Cpu | Self::Io | Self::Both => linux::Selection::NotSelected,
+            Self::Linux => linux::Selection::Required,
+            Self::All => linux::Selection::IfPossible,
+        }
+    }
 }
 
 /// `corral bench overhead`.
@@ -93,9 +112,11 @@ pub struct OverheadArgs {
     /// Runs per configuration (default 5; 2 with --quick).
     #[arg(long)]
     runs: Option<u32>,
-    /// Guest job.
-    #[arg(long, value_enum, default_value_t = JobKind::Both)]
+    /// Guest jobs.
+    #[arg(long, value_enum, default_value_t = JobKind::All)]
     job: JobKind,
+    #[command(flatten)]
+    linux: linux::LinuxArgs,
 }
 
 /// `corral bench interference`.

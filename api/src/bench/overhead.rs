@@ -2,6 +2,8 @@
 //! times under A (manager off: CPU backend none, no disk limits), B (the
 //! gate CPU scheduler on, one class, no contention) and C (disk limits 100x
 //! above what the job achieves, CPU backend none), interleaved A B C A B C.
+//! The jobs: the probe's CPU and I/O jobs, and where the host can run Linux
+//! a guest kernel compile ([`super::linux`]).
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -9,6 +11,7 @@ use std::time::Duration;
 
 use corral_vmm::manager::{CpuBackend, IoLimits, Manager};
 
+use super::linux::{self, Plan};
 use super::plot::{self, Panel, Series};
 use super::report::{Csv, OutDir, Report, SUMMARY_HEADER, Table, summary_cells};
 use super::runner::{self, Job, JobResult, Scratch};
@@ -36,6 +39,13 @@ struct Sample {
 /// Runs it; returns the output directory and the report.
 pub fn run(a: OverheadArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String), BenchError> {
     let quick = a.common.quick;
+    // Options first: nothing is created before they pass.
+    let linux_plan = linux::plan(
+        &a.linux,
+        a.job.linux_selection(),
+        &linux::Host::detect(),
+        quick,
+    )?;
     let runs = a.runs.unwrap_or(if quick { 2 } else { 5 }).max(1);
     let out = OutDir::create(a.common.out.as_deref(), "overhead")?;
     let scratch = Scratch::new("overhead")?;
@@ -45,11 +55,15 @@ pub fn run(a: OverheadArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String), Be
 
     let cpu_job = Job::work(sz.cpu_units, sz.unit_iters, 1).with_disk(&disk, IoLimits::default());
     let io_job = Job::blk_read(&disk, IoLimits::default(), sz.io_bytes, sz.io_bs, 4);
-    let jobs: Vec<(&'static str, Job)> = match a.job {
+    let mut jobs: Vec<(&'static str, Job)> = match a.job {
         JobKind::Cpu => vec![("cpu", cpu_job)],
         JobKind::Io => vec![("io", io_job.clone())],
-        JobKind::Both => vec![("cpu", cpu_job), ("io", io_job.clone())],
+        JobKind::Both | JobKind::All => vec![("cpu", cpu_job), ("io", io_job.clone())],
+        JobKind::Linux => Vec::new(),
     };
+    if let Plan::Run(lj) = &linux_plan {
+        jobs.push(("linux", Job::kbuild(lj)));
+    }
 
     let configs = [
         Config {
@@ -72,8 +86,9 @@ pub fn run(a: OverheadArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String), Be
         },
     ];
 
-    // Warm-up: one discarded run of each job on each configuration; the I/O
-    // job's run on A calibrates C's limits.
+    // Warm-up: one discarded run of each job on each configuration; a run of
+    // the I/O job on A calibrates C's limits (for every job: the Linux job's
+    // reads need far less than the probe's read rate).
     let total = (jobs.len() * configs.len()) as u64 * (u64::from(runs) + 1) + 1;
     let pb = super::progress(total);
     pb.set_message("calibrating the I/O limits");
@@ -152,6 +167,7 @@ pub fn run(a: OverheadArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String), Be
         "process_cpu_s",
         "sched_thread_cpu_s",
         "result",
+        "disk_read_bytes",
     ]);
     for s in &samples {
         csv.push(vec![
@@ -164,6 +180,9 @@ pub fn run(a: OverheadArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String), Be
             format!("{:.6}", s.r.proc_cpu_s),
             format!("{:.6}", s.sched_cpu_s),
             s.r.result.clone(),
+            s.r.disk_read
+                .map(|(b, _)| b.to_string())
+                .unwrap_or_default(),
         ]);
     }
     out.write("samples.csv", csv.text().as_bytes())?;
@@ -175,12 +194,14 @@ pub fn run(a: OverheadArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String), Be
         "Method: the same guest job {runs} times per configuration (after one discarded warm-up \
          run each), configurations interleaved A B C A B C; each configuration is its own \
          manager, created once. **total seconds** = host wall time from `create_vm` to the \
-         guest's `PROBE-DONE` line (boot, job, report); **CPU seconds** = CPU time of the VM's \
+         guest's `PROBE-DONE` line (boot, job, report; `KBUILD-RESULT` for the Linux job); \
+         **CPU seconds** = CPU time of the VM's \
          vCPU threads (the `sys` analogue: guest time runs on them); **process CPU seconds** = \
          CPU time of the whole corral process from before `create_vm` to after `delete_vm` \
          (vCPU threads plus the device thread, the gate scheduler's tick thread of B — which \
          ticks during every run, so it is in every configuration's figure — and the harness); \
-         **guest seconds** = the job's time as the guest measured it (its `us=`)."
+         **guest seconds** = the job's time as the guest measured it (the probe's `us=`, \
+         the Linux job's `ms=`)."
     ));
     let mut t = Table::new(&["config", "what"]);
     for c in &configs {
@@ -196,12 +217,16 @@ pub fn run(a: OverheadArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String), Be
         limits.bps.unwrap_or(0) as f64 / 1048576.0,
         limits.iops.unwrap_or(0)
     ));
-    rep.para(&format!("**{}**", runner::linux_job_note()));
+    match &linux_plan {
+        Plan::Run(lj) => rep.para(&lj.describe()),
+        Plan::Skip(why) => rep.para(&format!("**{why}**")),
+    }
 
     let metrics: [(&str, Metric); 4] = [
-        ("total seconds (host wall, create → PROBE-DONE)", |s| {
-            Some(s.r.wall_s)
-        }),
+        (
+            "total seconds (host wall, create → PROBE-DONE / KBUILD-RESULT)",
+            |s| Some(s.r.wall_s),
+        ),
         ("CPU seconds (the VM's vCPU threads)", |s| {
             Some(s.r.vm_cpu_s)
         }),
@@ -288,6 +313,25 @@ pub fn run(a: OverheadArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String), Be
                 s.avg, s.min, s.max
             ));
         }
+        if *jname == "linux" {
+            let (mut bytes, mut rate) = (Vec::new(), Vec::new());
+            for s in samples.iter().filter(|s| s.job == *jname) {
+                if let Some((b, _)) = s.r.disk_read {
+                    bytes.push(b as f64 / 1048576.0);
+                    rate.push(b as f64 / 1048576.0 / s.r.wall_s.max(1e-9));
+                }
+            }
+            if let (Some(b), Some(r)) = (Summary::of(&bytes), Summary::of(&rate)) {
+                rep.para(&format!(
+                    "The Linux guest read {:.0} MiB from its root disk per run on average \
+                     ({:.1} MiB/s over the run, at most {:.1}); C's limit is {:.0} MiB/s.",
+                    b.avg,
+                    r.avg,
+                    r.max,
+                    limits.bps.unwrap_or(0) as f64 / 1048576.0
+                ));
+            }
+        }
     }
 
     // Plot: total seconds per run, one panel per job.
@@ -299,7 +343,7 @@ pub fn run(a: OverheadArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String), Be
             ..Panel::new(
                 format!("job {jname}: total seconds per run"),
                 "run",
-                "seconds (create → PROBE-DONE)",
+                "seconds (create → done)",
                 configs
                     .iter()
                     .map(|c| {

@@ -16,6 +16,7 @@ use corral_vmm::manager::{
 };
 
 use super::BenchError;
+use super::linux::{self, KbuildStatus, LinuxJob};
 
 /// Whether KVM on this host is kvm_pvm (guests run in the instruction
 /// emulator, ~1 µs per guest instruction; no full Linux guest).
@@ -100,10 +101,19 @@ pub fn new_manager(
     Ok(Arc::new(m))
 }
 
-/// A guest job: the probe's command line and the VM's shape.
+/// Which guest a job boots, and so how it reports its end and its result.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Guest {
+    /// The built-in probe: `PROBE-DONE status=ok` and a `PROBE-RESULT` line.
+    Probe,
+    /// The Linux kernel-compile guest: a `KBUILD-RESULT` line.
+    Kbuild,
+}
+
+/// A guest job: the command line and the VM's shape.
 #[derive(Debug, Clone)]
 pub struct Job {
-    /// Probe command line.
+    /// Kernel command line.
     pub cmdline: String,
     /// vCPUs.
     pub vcpus: u32,
@@ -111,39 +121,80 @@ pub struct Job {
     pub memory_mib: u64,
     /// A disk with its limits.
     pub disk: Option<(PathBuf, IoLimits)>,
+    /// The disk is attached read-only.
+    pub disk_readonly: bool,
+    /// Kernel and initramfs; `None` = the built-in probe.
+    pub kernel: Option<(PathBuf, PathBuf)>,
+    /// The guest's protocol.
+    pub guest: Guest,
+    /// Longest a run may take; `None` = the benchmark's default.
+    pub timeout: Option<Duration>,
 }
 
 impl Job {
     /// The probe's fixed integer job: `units` units of `unit_iters` rounds.
     pub fn work(units: u64, unit_iters: u64, vcpus: u32) -> Self {
-        Self {
-            cmdline: format!("probe.mode=work probe.units={units} probe.unit_iters={unit_iters}"),
+        Self::probe(
+            format!("probe.mode=work probe.units={units} probe.unit_iters={unit_iters}"),
             vcpus,
-            memory_mib: 32,
-            disk: None,
+            32,
+            None,
+        )
+    }
+
+    fn probe(
+        cmdline: String,
+        vcpus: u32,
+        memory_mib: u64,
+        disk: Option<(PathBuf, IoLimits)>,
+    ) -> Self {
+        Self {
+            cmdline,
+            vcpus,
+            memory_mib,
+            disk,
+            disk_readonly: false,
+            kernel: None,
+            guest: Guest::Probe,
+            timeout: None,
+        }
+    }
+
+    /// The Linux kernel-compile job: its kernel, initramfs and root disk
+    /// (read-only, no limits), its own timeout.
+    pub fn kbuild(job: &LinuxJob) -> Self {
+        Self {
+            cmdline: job.cmdline(),
+            vcpus: job.vcpus,
+            memory_mib: job.memory_mib,
+            disk: Some((job.rootfs.clone(), IoLimits::default())),
+            disk_readonly: true,
+            kernel: Some((job.kernel.clone(), job.initrd.clone())),
+            guest: Guest::Kbuild,
+            timeout: Some(Duration::from_secs(job.timeout_s)),
         }
     }
 
     /// Spinning on every vCPU for `secs`, progress every `interval_ms`.
     pub fn spin(secs: u64, interval_ms: u64, vcpus: u32) -> Self {
-        Self {
-            cmdline: format!("probe.mode=spin probe.secs={secs} probe.interval_ms={interval_ms}"),
+        Self::probe(
+            format!("probe.mode=spin probe.secs={secs} probe.interval_ms={interval_ms}"),
             vcpus,
-            memory_mib: 32,
-            disk: None,
-        }
+            32,
+            None,
+        )
     }
 
     /// virtio-blk reads of `size` bytes in requests of `bs`, `qd` in flight.
     pub fn blk_read(disk: &Path, limits: IoLimits, size: u64, bs: u64, qd: u32) -> Self {
-        Self {
-            cmdline: format!(
+        Self::probe(
+            format!(
                 "probe.mode=blk probe.op=read probe.size={size} probe.bs={bs} probe.qd={qd} probe.timeout_ms=60000"
             ),
-            vcpus: 1,
-            memory_mib: 64,
-            disk: Some((disk.to_path_buf(), limits)),
-        }
+            1,
+            64,
+            Some((disk.to_path_buf(), limits)),
+        )
     }
 
     /// The same job with a disk attached (unused by CPU jobs; it makes
@@ -178,8 +229,9 @@ pub struct Vm {
     pub lines: Vec<String>,
     /// When `create_vm` was called.
     pub t0: Instant,
-    /// When the guest's `PROBE-DONE` line arrived.
+    /// When the guest's end marker (`PROBE-DONE`, `KBUILD-RESULT`) arrived.
     pub done_at: Option<Instant>,
+    guest: Guest,
 }
 
 impl Vm {
@@ -195,6 +247,8 @@ impl Vm {
             class: class.to_string(),
             vcpus: job.vcpus,
             memory_mib: job.memory_mib,
+            kernel: job.kernel.as_ref().map(|(k, _)| k.clone()),
+            initrd: job.kernel.as_ref().map(|(_, i)| i.clone()),
             cmdline: Some(job.cmdline.clone()),
             disks: job
                 .disk
@@ -202,7 +256,7 @@ impl Vm {
                 .map(|(p, l)| DiskConfig {
                     id: "disk0".into(),
                     path: p.clone(),
-                    readonly: false,
+                    readonly: job.disk_readonly,
                     direct: false,
                     limits: *l,
                 })
@@ -233,6 +287,7 @@ impl Vm {
             lines: Vec::new(),
             t0,
             done_at: None,
+            guest: job.guest,
         };
         vm.cpu_ns();
         Ok(vm)
@@ -250,7 +305,8 @@ impl Vm {
     }
 
     /// Reads new console output, waiting up to `timeout` for some. Returns
-    /// true once the guest printed `PROBE-DONE` or the VM stopped.
+    /// true once the guest printed its end marker (`PROBE-DONE`, or
+    /// `KBUILD-RESULT` for the Linux job) or the VM stopped.
     pub fn pump(&mut self, timeout: Duration) -> bool {
         let (data, pos, _closed) = self.watch.log.read_from(self.pos, timeout);
         let now = Instant::now();
@@ -260,7 +316,11 @@ impl Vm {
             while let Some(i) = self.partial.find('\n') {
                 let line: String = self.partial.drain(..=i).collect();
                 let line = line.trim_end().to_string();
-                if line.starts_with("PROBE-DONE") && self.done_at.is_none() {
+                let done = match self.guest {
+                    Guest::Probe => line.starts_with("PROBE-DONE"),
+                    Guest::Kbuild => line.contains(linux::RESULT_MARKER),
+                };
+                if done && self.done_at.is_none() {
                     self.done_at = Some(now);
                 }
                 self.lines.push(line);
@@ -287,19 +347,93 @@ impl Vm {
         if self.lines.iter().any(|l| l == "PROBE-DONE status=ok") {
             return Ok(());
         }
-        let tail: Vec<&str> = self
-            .lines
-            .iter()
-            .rev()
-            .take(6)
-            .rev()
-            .map(String::as_str)
-            .collect();
         Err(BenchError(format!(
             "VM {} did not finish its job; console tail:\n    {}",
             self.name,
-            tail.join("\n    ")
+            self.tail(6).join("\n    ")
         )))
+    }
+
+    /// The last `n` non-blank console lines (with an incomplete last line),
+    /// or a note that there was no output.
+    pub fn tail(&self, n: usize) -> Vec<&str> {
+        let lines: Vec<&str> = self
+            .lines
+            .iter()
+            .map(String::as_str)
+            .filter(|l| !l.trim().is_empty())
+            .collect();
+        let mut t = lines[lines.len().saturating_sub(n)..].to_vec();
+        if !self.partial.trim().is_empty() {
+            t.push(self.partial.trim_end());
+        }
+        if t.is_empty() {
+            t.push("(no console output)");
+        }
+        t
+    }
+
+    /// How the VM ended, for error messages: its exit reason, or that it
+    /// still runs.
+    pub fn exit_note(&self) -> String {
+        match self.mgr.get_vm(&self.name) {
+            Ok(info) => match info.exit {
+                Some(reason) => format!("the VM stopped: {reason}"),
+                None => "the VM still runs".into(),
+            },
+            Err(e) => format!("VM state unknown: {e}"),
+        }
+    }
+
+    /// The Linux job's result: its `KBUILD-RESULT` line (from the marker on)
+    /// and make's time in seconds, or why there is none. A failed build is an
+    /// error with the guest's `KBUILD-ERROR` and `kbuild-log:` lines.
+    pub fn kbuild_result(&self, job: &Job) -> Result<(String, f64), BenchError> {
+        let Some(line) = self.lines.iter().find(|l| l.contains(linux::RESULT_MARKER)) else {
+            return Err(BenchError(format!(
+                "VM {} (Linux kernel-compile job) printed no KBUILD-RESULT line; {}; console \
+                 tail:\n    {}",
+                self.name,
+                self.exit_note(),
+                self.tail(15).join("\n    ")
+            )));
+        };
+        let from = line.find(linux::RESULT_MARKER).unwrap_or(0);
+        let line = line[from..].to_string();
+        let r = linux::parse_result(&line)
+            .map_err(|e| BenchError(format!("VM {}: {e}: {line}", self.name)))?;
+        let guest_log = || {
+            self.lines
+                .iter()
+                .filter(|l| l.contains("KBUILD-ERROR") || l.starts_with("kbuild-log: "))
+                .map(String::as_str)
+                .collect::<Vec<_>>()
+                .join("\n    ")
+        };
+        match r.status {
+            KbuildStatus::Fail { rc, stage } => Err(BenchError(format!(
+                "VM {}: the guest's kernel build failed (rc={rc}, stage {}): {line}\n    {}",
+                self.name,
+                stage.as_deref().unwrap_or("?"),
+                guest_log()
+            ))),
+            KbuildStatus::Ok if r.dry => Err(BenchError(format!(
+                "VM {}: the guest ran a dry build (kbuild.dry=1), not a measurement: {line}",
+                self.name
+            ))),
+            KbuildStatus::Ok => {
+                let want_jobs = field(&job.cmdline, "kbuild.jobs").and_then(|v| v.parse().ok());
+                let want_config = field(&job.cmdline, "kbuild.config");
+                if r.jobs != want_jobs || r.config.as_deref() != want_config {
+                    return Err(BenchError(format!(
+                        "VM {}: the guest built with other parameters than asked ({}): {line}",
+                        self.name, job.cmdline
+                    )));
+                }
+                let ms = r.ms.unwrap_or(0);
+                Ok((line, ms as f64 / 1e3))
+            }
+        }
     }
 
     /// Waits until the VM has stopped (up to `timeout`), sampling its CPU.
@@ -322,17 +456,22 @@ impl Drop for Vm {
 /// One measured run of a job.
 #[derive(Debug, Clone)]
 pub struct JobResult {
-    /// Host wall time from `create_vm` to the guest's `PROBE-DONE`.
+    /// Host wall time from `create_vm` to the guest's end marker
+    /// (`PROBE-DONE`, `KBUILD-RESULT`).
     pub wall_s: f64,
-    /// The guest's own figure (`us=` of its result line), if it gave one.
+    /// The guest's own figure (`us=` of the probe's result line, `ms=` of
+    /// `KBUILD-RESULT`), if it gave one.
     pub guest_s: Option<f64>,
     /// CPU time of the VM's vCPU threads.
     pub vm_cpu_s: f64,
     /// CPU time of this whole process from before `create_vm` to after
     /// `delete_vm` (includes the device thread and the scheduler thread).
     pub proc_cpu_s: f64,
-    /// The guest's `PROBE-RESULT` line.
+    /// The guest's `PROBE-RESULT` or `KBUILD-RESULT` line.
     pub result: String,
+    /// Bytes and requests the guest read from its disks (when it has any),
+    /// as the disks' counters stood when the guest printed its end marker.
+    pub disk_read: Option<(u64, u64)>,
 }
 
 impl JobResult {
@@ -342,7 +481,8 @@ impl JobResult {
     }
 }
 
-/// Runs `job` to completion as VM `name` in `class` and measures it.
+/// Runs `job` to completion as VM `name` in `class` and measures it;
+/// `timeout` applies unless the job has its own.
 pub fn run_job(
     mgr: &Arc<Manager>,
     name: &str,
@@ -350,6 +490,7 @@ pub fn run_job(
     job: &Job,
     timeout: Duration,
 ) -> Result<JobResult, BenchError> {
+    let timeout = job.timeout.unwrap_or(timeout);
     let c0 = process_cpu_s();
     let mut vm = Vm::start(mgr, name, class, job)?;
     let deadline = vm.t0 + timeout;
@@ -357,34 +498,57 @@ pub fn run_job(
         vm.cpu_ns();
         if Instant::now() > deadline {
             return Err(BenchError(format!(
-                "VM {name} did not finish within {timeout:?} ({})",
-                job.cmdline
+                "VM {name} did not finish within {timeout:?} ({}); console tail:\n    {}",
+                job.cmdline,
+                vm.tail(8).join("\n    ")
             )));
         }
     }
     let end = vm.done_at.unwrap_or_else(Instant::now);
+    let disk_read = disk_read(mgr, name);
     vm.wait_stopped(Duration::from_secs(5));
     // Output printed just before the exit.
     vm.pump(Duration::ZERO);
-    vm.check_ok()?;
-    let result = vm
-        .result_line()
-        .ok_or_else(|| BenchError(format!("VM {name} printed no PROBE-RESULT")))?
-        .to_string();
+    let (result, guest_s) = match job.guest {
+        Guest::Probe => {
+            vm.check_ok()?;
+            let result = vm
+                .result_line()
+                .ok_or_else(|| BenchError(format!("VM {name} printed no PROBE-RESULT")))?
+                .to_string();
+            let guest_s = field(&result, "us")
+                .and_then(|v| v.parse::<f64>().ok())
+                .map(|us| us / 1e6);
+            (result, guest_s)
+        }
+        Guest::Kbuild => {
+            let (line, s) = vm.kbuild_result(job)?;
+            (line, Some(s))
+        }
+    };
     let vm_cpu_s = vm.cpu_ns() as f64 / 1e9;
     let wall_s = (end - vm.t0).as_secs_f64();
     drop(vm);
     let proc_cpu_s = process_cpu_s() - c0;
-    let guest_s = field(&result, "us")
-        .and_then(|v| v.parse::<f64>().ok())
-        .map(|us| us / 1e6);
     Ok(JobResult {
         wall_s,
         guest_s,
         vm_cpu_s,
         proc_cpu_s,
         result,
+        disk_read,
     })
+}
+
+/// Bytes and requests VM `name` has read from its disks so far.
+fn disk_read(mgr: &Manager, name: &str) -> Option<(u64, u64)> {
+    mgr.get_vm(name)
+        .ok()?
+        .disks
+        .iter()
+        .filter_map(|d| d.stats.as_ref())
+        .map(|s| (s.read.bytes, s.read.ops))
+        .reduce(|a, b| (a.0 + b.0, a.1 + b.1))
 }
 
 /// The value of `key=` in a probe line.
@@ -534,21 +698,6 @@ impl Scratch {
 impl Drop for Scratch {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-/// The message about the Linux kernel-compile job, which this build does
-/// not run.
-pub fn linux_job_note() -> String {
-    if host_is_pvm() {
-        "Linux kernel-compile job skipped: this host (kvm_pvm) cannot run a full Linux guest \
-         (guest code runs in KVM's instruction emulator at ~1 µs per instruction)."
-            .into()
-    } else {
-        "Linux kernel-compile job not implemented yet: it needs a Debian root disk with \
-         build-essential and a kernel source tree built by a guest-images/ script, which does \
-         not exist yet (issue 7). Only the probe guest's CPU and I/O jobs ran."
-            .into()
     }
 }
 
