@@ -146,7 +146,12 @@ impl Bench {
         }
         let handle = corral_vmm::start(&cfg).expect("start VM");
         match self.backend {
-            Backend::Gate => self.cpu.attach(id, gate, handle.vcpu_tids().to_vec()),
+            Backend::Gate => self.cpu.attach(
+                id,
+                gate,
+                handle.vcpu_tids().to_vec(),
+                handle.device_tid().into_iter().collect(),
+            ),
             Backend::Cgroup => {
                 if let Some(cg) = &self.cg {
                     cg.place_vm(class, &format!("vm{}", id.0), 100, handle.vcpu_tids())

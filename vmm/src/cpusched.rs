@@ -53,6 +53,17 @@ pub fn own_thread_cpu_ns() -> u64 {
     thread_cpu_ns(unsafe { libc::gettid() }).unwrap_or(0)
 }
 
+/// Reads the clocks of a VM's extra (device) threads; returns their sum,
+/// using the last reading of a thread that is gone.
+fn sample_extra(v: &mut Tracked) -> u64 {
+    for (t, last) in v.extra.iter().zip(v.extra_last.iter_mut()) {
+        if let Some(ns) = thread_cpu_ns(*t) {
+            *last = (*last).max(ns);
+        }
+    }
+    v.extra_last.iter().sum()
+}
+
 struct Tracked {
     gate: Arc<Gate>,
     tids: Vec<libc::pid_t>,
@@ -64,6 +75,12 @@ struct Tracked {
     parked_ticks: u32,
     /// Sum of the vCPU clocks at the last sample.
     total: u64,
+    /// Threads that work for the VM but are not parked (its device
+    /// thread): their CPU time counts as the VM's usage.
+    extra: Vec<libc::pid_t>,
+    /// Their clocks at the last sample (kept when a thread is gone, so the
+    /// VM's total never goes backwards).
+    extra_last: Vec<u64>,
     /// Parked, and sampled after every vCPU was blocked on the gate.
     settled: bool,
 }
@@ -167,8 +184,20 @@ impl CpuScheduler {
     }
 
     /// Starts enforcing for VM `id` (already added to the model) whose vCPU
-    /// threads are `tids` and whose vCPUs wait on `gate`.
-    pub fn attach(&self, id: VmId, gate: Arc<Gate>, tids: Vec<libc::pid_t>) {
+    /// threads are `tids` and whose vCPUs wait on `gate`. The CPU time of
+    /// `extra` threads (the VM's device thread, which serves its I/O) is
+    /// charged to the VM as well; they are never parked.
+    pub fn attach(
+        &self,
+        id: VmId,
+        gate: Arc<Gate>,
+        tids: Vec<libc::pid_t>,
+        extra: Vec<libc::pid_t>,
+    ) {
+        let extra_last = extra
+            .iter()
+            .map(|t| thread_cpu_ns(*t).unwrap_or(0))
+            .collect();
         let last = tids
             .iter()
             .map(|t| thread_cpu_ns(*t).unwrap_or(0))
@@ -185,6 +214,8 @@ impl CpuScheduler {
                 runnable,
                 parked_ticks: 0,
                 total: 0,
+                extra,
+                extra_last,
                 settled: false,
             },
         );
@@ -254,10 +285,12 @@ impl CpuScheduler {
             if parked && v.settled {
                 // Every vCPU is blocked on the gate (the kick has landed and
                 // they have been sampled since): off the CPU for sure, so
-                // the clocks cannot have moved. Skipping them keeps the
-                // scheduler cheap with many parked VMs.
+                // their clocks cannot have moved. Skipping them keeps the
+                // scheduler cheap with many parked VMs; the device thread
+                // may still be serving I/O, so it is read.
+                let total = v.total + sample_extra(v);
                 inner.usages.push(
-                    VmUsage::total(*id, v.total, v.runnable > 0).with_runnable_vcpus(v.runnable),
+                    VmUsage::total(*id, total, v.runnable > 0).with_runnable_vcpus(v.runnable),
                 );
                 continue;
             }
@@ -295,6 +328,7 @@ impl CpuScheduler {
                 total += ns;
             }
             v.total = total;
+            let total = total + sample_extra(v);
             // A parked VM's vCPUs wait on the gate: they still want CPU as
             // much as when they were parked.
             let runnable = if parked { v.runnable.max(1) } else { busy };
@@ -372,5 +406,42 @@ mod tests {
             b - a
         );
         assert!(thread_cpu_ns(tid).is_none() || tid > 0);
+    }
+
+    /// The CPU time of a VM's extra (device) thread is charged to the VM,
+    /// and what was read stays counted after the thread exits.
+    #[test]
+    fn device_thread_cpu_is_charged_to_its_vm() {
+        use corral_scheduler::model::{Capacity, ClassSpec, VmSpec};
+        use corral_scheduler::{PolicyConfig, Scheduler};
+        let mut sched = Scheduler::new(Capacity::from_cpus(2), PolicyConfig::default()).unwrap();
+        sched.create_class("c", ClassSpec::new(100)).unwrap();
+        sched.add_vm(VmId(1), VmSpec::new("c", 1)).unwrap();
+        let cpu = CpuScheduler::new(Arc::new(Mutex::new(sched)));
+        let (tx, rx) = std::sync::mpsc::channel();
+        let dev = std::thread::spawn(move || {
+            // SAFETY: gettid has no preconditions.
+            tx.send(unsafe { libc::gettid() }).unwrap();
+            let t0 = std::time::Instant::now();
+            let mut x = 0u64;
+            while t0.elapsed() < Duration::from_millis(60) {
+                x = x.wrapping_add(1);
+                std::hint::black_box(x);
+            }
+        });
+        let tid = rx.recv().unwrap();
+        // No vCPU threads at all: everything the VM uses is the device's.
+        cpu.attach(VmId(1), Arc::new(Gate::new()), Vec::new(), vec![tid]);
+        while !dev.is_finished() {
+            cpu.tick(10_000_000);
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        dev.join().unwrap();
+        cpu.tick(10_000_000);
+        let used = cpu.with(|s| s.stats()).vms[0].cpu_ns;
+        assert!(
+            used >= 30_000_000,
+            "charged {used} ns of a ~60 ms device thread"
+        );
     }
 }

@@ -569,6 +569,14 @@ impl std::fmt::Debug for Manager {
 
 pub use crate::cpusched::thread_cpu_ns;
 
+/// The threads whose CPU time is a VM's: its vCPUs and its device thread
+/// (which serves its I/O), for the cgroup backend.
+fn vm_threads(h: &VmHandle) -> Vec<libc::pid_t> {
+    let mut t = h.vcpu_tids().to_vec();
+    t.extend(h.device_tid());
+    t
+}
+
 /// Creates a class's I/O group or changes its limits live (tokens earned
 /// and waiting requests are kept).
 fn set_class_group(st: &mut State, class: &str, io: &IoLimits) -> Result<(), ManagerError> {
@@ -1149,10 +1157,15 @@ impl Manager {
         }
         let handle = crate::vm::start(&cfg)?;
         match self.cfg.cpu_backend {
-            CpuBackend::Gate => self.cpu.attach(id, gate, handle.vcpu_tids().to_vec()),
+            CpuBackend::Gate => self.cpu.attach(
+                id,
+                gate,
+                handle.vcpu_tids().to_vec(),
+                handle.device_tid().into_iter().collect(),
+            ),
             CpuBackend::Cgroup => {
                 if let Some(cg) = &self.cgroup
-                    && let Err(e) = cg.place_vm(&req.class, name, req.weight, handle.vcpu_tids())
+                    && let Err(e) = cg.place_vm(&req.class, name, req.weight, &vm_threads(&handle))
                 {
                     handle.stop();
                     handle.join();
@@ -1259,7 +1272,7 @@ impl Manager {
             if let Some(cg) = &self.cgroup {
                 let old = lock(&e.class).clone();
                 let w = e.weight.load(Ordering::Relaxed);
-                if let Err(err) = cg.place_vm(class, &e.name, w, e.handle.vcpu_tids()) {
+                if let Err(err) = cg.place_vm(class, &e.name, w, &vm_threads(&e.handle)) {
                     tracing::warn!(vm = name, "cgroup backend: {err}");
                 } else {
                     let _ = cg.remove_vm(&old, &e.name);

@@ -441,6 +441,7 @@ pub struct VmHandle {
     console: Arc<ConsoleLog>,
     started: Instant,
     vcpu_tids: Vec<libc::pid_t>,
+    device_tid: Option<libc::pid_t>,
     _vm: Arc<VmFd>,
     _mem: GuestMemoryMmap,
 }
@@ -645,6 +646,11 @@ impl VmHandle {
     /// Linux thread ids of the vCPU threads (for CPU accounting and cgroups).
     pub fn vcpu_tids(&self) -> &[libc::pid_t] {
         &self.vcpu_tids
+    }
+
+    /// Kernel thread id of the device thread (serves the VM's I/O).
+    pub fn device_tid(&self) -> Option<libc::pid_t> {
+        self.device_tid
     }
 
     /// Exit counters per vCPU.
@@ -972,11 +978,18 @@ pub fn start(cfg: &VmConfig) -> Result<VmHandle, VmError> {
     // Device thread: host stdin to the serial port, wake-ups.
     let sh = shared.clone();
     let stdin = cfg.console_stdin;
+    let (dtid_tx, dtid_rx) = std::sync::mpsc::channel();
     let dev = std::thread::Builder::new()
         .name(format!("dev-{}", cfg.name))
-        .spawn(move || crate::devthread::run(sh, serial, stdin, control_rx))
+        .spawn(move || {
+            // SAFETY: gettid has no preconditions.
+            let _ = dtid_tx.send(unsafe { libc::gettid() });
+            drop(dtid_tx);
+            crate::devthread::run(sh, serial, stdin, control_rx)
+        })
         .map_err(io_err("spawning the device thread"))?;
     threads.push(dev);
+    let device_tid = dtid_rx.recv().ok();
 
     Ok(VmHandle {
         name: cfg.name.clone(),
@@ -985,6 +998,7 @@ pub fn start(cfg: &VmConfig) -> Result<VmHandle, VmError> {
         console,
         started: Instant::now(),
         vcpu_tids,
+        device_tid,
         _vm: vm,
         _mem: mem,
     })
