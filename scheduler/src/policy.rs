@@ -449,12 +449,24 @@ fn water_fill(items: &[Wf], total: f64, out: &mut Vec<f64>, events: &mut Vec<(f6
     out.extend(items.iter().map(|it| (level * it.w).clamp(it.lo, it.hi)));
 }
 
+/// Capacity left after `steal_pct` is lost to the hypervisor below (never
+/// less than half the nominal capacity).
+fn effective_capacity(nominal_pct: f64, steal_pct: f64) -> f64 {
+    (nominal_pct - steal_pct).max(nominal_pct / 2.0)
+}
+
 /// The policy state. See the [module docs](self).
 #[derive(Debug, Clone)]
 pub struct Policy {
     config: PolicyConfig,
     generation: Option<u64>,
+    /// The capacity the policy plans with: the model's, less the CPU the
+    /// host's hypervisor takes (steal), see [`Policy::set_measured_steal`].
     capacity_pct: f64,
+    /// The model's capacity.
+    nominal_pct: f64,
+    /// Host CPU lost to steal (percent of one CPU), as last measured.
+    steal_pct: f64,
     reserved_pct: u64,
     vms: Vec<VmState>,
     classes: Vec<ClassState>,
@@ -489,6 +501,8 @@ impl Policy {
             config,
             generation: None,
             capacity_pct: 0.0,
+            nominal_pct: 0.0,
+            steal_pct: 0.0,
             reserved_pct: 0,
             vms: Vec::new(),
             classes: Vec::new(),
@@ -526,7 +540,8 @@ impl Policy {
             return;
         }
         self.generation = Some(model.generation());
-        self.capacity_pct = model.capacity().percent() as f64;
+        self.nominal_pct = model.capacity().percent() as f64;
+        self.capacity_pct = effective_capacity(self.nominal_pct, self.steal_pct);
         self.reserved_pct = model.reserved_percent();
         self.ent_dirty = true;
 
@@ -598,6 +613,29 @@ impl Policy {
     /// mistaken for CPU the VMs left idle.
     pub fn set_measured_idle(&mut self, idle_pct: Option<f64>) {
         self.measured_idle_pct = idle_pct;
+    }
+
+    /// Tells the policy how much host CPU the hypervisor below took (steal
+    /// time, percent of one CPU) over the last measurement. The policy then
+    /// plans with the capacity that is really there: a reservation is a
+    /// guarantee of real CPU, so on a host that loses 14 % of its CPU to
+    /// steal, a 100 % reservation still gets a whole CPU and the others
+    /// share what is left (planning with the nominal capacity cut every
+    /// class in proportion, the reserved one to ~93 %). Below 1 % of a CPU
+    /// steal is ignored as noise; at most half the capacity is discounted.
+    pub fn set_measured_steal(&mut self, steal_pct: Option<f64>) {
+        let s = steal_pct.filter(|s| s.is_finite()).unwrap_or(0.0).max(0.0);
+        let s = if s < 1.0 { 0.0 } else { s };
+        // Re-plan only on a change of at least 1 % of a CPU.
+        if (s - self.steal_pct).abs() < 1.0 {
+            return;
+        }
+        self.steal_pct = s;
+        let c = effective_capacity(self.nominal_pct, s);
+        if c != self.capacity_pct {
+            self.capacity_pct = c;
+            self.ent_dirty = true;
+        }
     }
 
     /// Runs one tick at time `now_ns` with the given usage reports and
@@ -1014,7 +1052,7 @@ impl Policy {
             })
             .collect();
         Stats {
-            capacity_pct: self.capacity_pct as u64,
+            capacity_pct: self.nominal_pct as u64,
             reserved_pct: self.reserved_pct,
             ticks: self.ticks,
             last_tick_ns: self.last_now,
@@ -1151,6 +1189,51 @@ mod tests {
         m.add_vm(VmId(1), VmSpec::new("a", 2)).unwrap();
         m.add_vm(VmId(2), VmSpec::new("b", 2)).unwrap();
         m
+    }
+
+    /// With CPU lost to steal, a reservation is still a whole CPU: the
+    /// other classes share what is really left.
+    #[test]
+    fn steal_shrinks_the_others_not_the_reservation() {
+        let mut m = Model::new(Capacity::from_cpus(2));
+        m.create_class("res", ClassSpec::new(1).with_reservation(100))
+            .unwrap();
+        m.create_class("x", ClassSpec::new(10)).unwrap();
+        m.create_class("y", ClassSpec::new(10)).unwrap();
+        for (id, c) in [(1, "res"), (2, "x"), (3, "y")] {
+            m.add_vm(VmId(id), VmSpec::new(c, 2)).unwrap();
+        }
+        let mut p = Policy::new(PolicyConfig::default());
+        let usage = |t: u64| -> Vec<VmUsage> {
+            (1..=3)
+                .map(|i| VmUsage::total(VmId(i), t * 2, true))
+                .collect()
+        };
+        let ent = |p: &Policy, id: u64| {
+            p.last_output()
+                .vms()
+                .iter()
+                .find(|d| d.vm == VmId(id))
+                .unwrap()
+                .entitlement_pct
+        };
+        p.tick(&m, 0, &usage(0));
+        assert!((ent(&p, 1) - 100.0).abs() < 1e-6 && (ent(&p, 2) - 50.0).abs() < 1e-6);
+        p.set_measured_steal(Some(14.0));
+        p.tick(&m, 10_000_000, &usage(10_000_000));
+        assert!((ent(&p, 1) - 100.0).abs() < 1e-6, "{}", ent(&p, 1));
+        assert!((ent(&p, 2) - 43.0).abs() < 1e-6, "{}", ent(&p, 2));
+        assert!((ent(&p, 3) - 43.0).abs() < 1e-6, "{}", ent(&p, 3));
+        // Noise below 1 % of a CPU is ignored; steal gone, back to nominal.
+        p.set_measured_steal(Some(0.4));
+        p.tick(&m, 20_000_000, &usage(20_000_000));
+        assert!((ent(&p, 2) - 50.0).abs() < 1e-6, "{}", ent(&p, 2));
+        // Never below half the capacity.
+        p.set_measured_steal(Some(150.0));
+        p.tick(&m, 30_000_000, &usage(30_000_000));
+        assert!((ent(&p, 1) - 100.0).abs() < 1e-6);
+        assert!(ent(&p, 2).abs() < 1e-6, "{}", ent(&p, 2));
+        assert_eq!(p.stats().capacity_pct, 200);
     }
 
     #[test]

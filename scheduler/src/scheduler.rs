@@ -129,6 +129,11 @@ impl Scheduler {
         self.policy.set_measured_idle(idle_pct);
     }
 
+    /// See [`Policy::set_measured_steal`].
+    pub fn set_measured_steal(&mut self, steal_pct: Option<f64>) {
+        self.policy.set_measured_steal(steal_pct);
+    }
+
     /// VM ids in tick order; see [`Policy::vm_order`].
     pub fn vm_order(&self) -> impl Iterator<Item = VmId> + '_ {
         self.policy.vm_order()

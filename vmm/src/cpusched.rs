@@ -32,6 +32,12 @@ pub fn thread_cpu_ns(tid: libc::pid_t) -> Option<u64> {
 
 /// Idle time of all host CPUs (idle + iowait) in ns, from /proc/stat.
 pub fn host_idle_ns() -> Option<u64> {
+    host_stat_ns().map(|(idle, _)| idle)
+}
+
+/// Idle (idle + iowait) and steal time of all host CPUs in ns, from
+/// /proc/stat's `cpu` line.
+pub fn host_stat_ns() -> Option<(u64, u64)> {
     use std::io::Read;
     let mut f = std::fs::File::open("/proc/stat").ok()?;
     let mut buf = [0u8; 256];
@@ -41,10 +47,12 @@ pub fn host_idle_ns() -> Option<u64> {
     if it.next()? != "cpu" {
         return None;
     }
-    let v: Vec<u64> = it.take(5).filter_map(|x| x.parse().ok()).collect();
+    let v: Vec<u64> = it.take(8).filter_map(|x| x.parse().ok()).collect();
     // SAFETY: sysconf has no preconditions.
     let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
-    Some((v.get(3)? + v.get(4)?) * 1_000_000_000 / hz)
+    let idle = (v.get(3)? + v.get(4)?) * 1_000_000_000 / hz;
+    let steal = v.get(7).copied().unwrap_or(0) * 1_000_000_000 / hz;
+    Some((idle, steal))
 }
 
 /// CPU time of the calling thread, in ns.
@@ -104,6 +112,11 @@ struct Inner {
     self_cpu_ns: u64,
     /// Host idle time (all CPUs, ns) at the last tick, from /proc/stat.
     last_idle_ns: Option<u64>,
+    /// Host steal time (all CPUs, ns) at the last sample.
+    last_steal_ns: Option<u64>,
+    /// Host CPU taken by the hypervisor below over the last sampling
+    /// interval, percent of one CPU.
+    measured_steal: Option<f64>,
     last_tick_ns: u64,
     /// Host idle over the last sampling interval, percent of one CPU.
     measured_idle: Option<f64>,
@@ -141,6 +154,8 @@ impl CpuScheduler {
                 self_cpu_ns: 0,
                 ticks: 0,
                 last_idle_ns: None,
+                last_steal_ns: None,
+                measured_steal: None,
                 last_tick_ns: 0,
                 measured_idle: None,
                 tick_count: 0,
@@ -341,19 +356,26 @@ impl CpuScheduler {
         // mistaken for CPU our VMs left unused.
         inner.tick_count += 1;
         if inner.tick_count % IDLE_SAMPLE_TICKS == 1 || inner.last_idle_ns.is_none() {
-            let idle = host_idle_ns();
-            inner.measured_idle = match (idle, inner.last_idle_ns) {
-                (Some(i), Some(l)) if now > inner.last_tick_ns => {
-                    Some(i.saturating_sub(l) as f64 * 100.0 / (now - inner.last_tick_ns) as f64)
+            let stat = host_stat_ns();
+            let (idle, steal) = (stat.map(|s| s.0), stat.map(|s| s.1));
+            let dt = now.saturating_sub(inner.last_tick_ns);
+            let pct = |cur: Option<u64>, last: Option<u64>| match (cur, last) {
+                (Some(c), Some(l)) if dt > 0 => {
+                    Some(c.saturating_sub(l) as f64 * 100.0 / dt as f64)
                 }
                 _ => None,
             };
+            inner.measured_idle = pct(idle, inner.last_idle_ns);
+            inner.measured_steal = pct(steal, inner.last_steal_ns);
             inner.last_idle_ns = idle;
+            inner.last_steal_ns = steal;
             inner.last_tick_ns = now;
         }
         let measured = inner.measured_idle;
+        let steal = inner.measured_steal;
         let mut sched = lock(&self.sched);
         sched.set_measured_idle(measured);
+        sched.set_measured_steal(steal);
         let out = sched.tick(now, &inner.usages);
         for c in out.changes() {
             if let Some(v) = inner.vms.get(&c.vm) {
