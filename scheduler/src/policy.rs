@@ -123,6 +123,12 @@ pub struct VmUsage {
     /// waiting on a parked gate); clamped to the VM's vCPU count. `0` means
     /// the VM was idle (halted): it gets no entitlement and burns no credit.
     pub runnable_vcpus: u32,
+    /// How many of the VM's other threads whose CPU time is in `cpu` (its
+    /// device thread, which does its I/O) wanted CPU during the tick. Each
+    /// adds one CPU to the VM's demand bound, on top of its vCPUs: an
+    /// I/O-bound VM with one busy vCPU and a busy device thread can use two
+    /// CPUs, and capping its demand at one would hand the second to others.
+    pub busy_helpers: u32,
 }
 
 impl VmUsage {
@@ -132,6 +138,7 @@ impl VmUsage {
             vm,
             cpu: CpuTime::Total(cpu_ns_total),
             runnable_vcpus: if wants_cpu { ALL_VCPUS } else { 0 },
+            busy_helpers: 0,
         }
     }
 
@@ -142,6 +149,7 @@ impl VmUsage {
             vm,
             cpu: CpuTime::Delta(cpu_ns),
             runnable_vcpus: if wants_cpu { ALL_VCPUS } else { 0 },
+            busy_helpers: 0,
         }
     }
 
@@ -149,6 +157,12 @@ impl VmUsage {
     /// for VMs whose vCPUs are not all busy).
     pub fn with_runnable_vcpus(mut self, n: u32) -> Self {
         self.runnable_vcpus = n;
+        self
+    }
+
+    /// Builder: `n` helper threads (see [`VmUsage::busy_helpers`]) were busy.
+    pub fn with_busy_helpers(mut self, n: u32) -> Self {
+        self.busy_helpers = n;
         self
     }
 }
@@ -689,7 +703,11 @@ impl Policy {
                 CpuTime::Delta(d) => d,
             };
             vm.used_ns = vm.used_ns.saturating_add(used);
-            vm.runnable = vm.runnable.max(u.runnable_vcpus.min(vm.vcpus));
+            // Helpers count only beside a runnable vCPU: a device thread
+            // finishing I/O for a halted VM does not make it demanding.
+            let vcpus = u.runnable_vcpus.min(vm.vcpus);
+            let helpers = if vcpus > 0 { u.busy_helpers.min(4) } else { 0 };
+            vm.runnable = vm.runnable.max(vcpus + helpers);
         }
         if unknown > 0 {
             tracing::debug!(unknown, "usage reports for unknown VMs ignored");
@@ -1234,6 +1252,54 @@ mod tests {
         assert!((ent(&p, 1) - 100.0).abs() < 1e-6);
         assert!(ent(&p, 2).abs() < 1e-6, "{}", ent(&p, 2));
         assert_eq!(p.stats().capacity_pct, 200);
+    }
+
+    /// A 1-vCPU VM whose device thread is busy too can use two CPUs: its
+    /// demand bound counts the helper, so with shares 3:1 it is entitled
+    /// to 150 % against a 2-vCPU hog, not to the 100 % of its one vCPU.
+    #[test]
+    fn a_busy_device_thread_adds_to_demand() {
+        let mut m = Model::new(Capacity::from_cpus(2));
+        m.create_class("victim", ClassSpec::new(3)).unwrap();
+        m.create_class("hog", ClassSpec::new(1)).unwrap();
+        m.add_vm(VmId(1), VmSpec::new("victim", 1)).unwrap();
+        m.add_vm(VmId(2), VmSpec::new("hog", 2)).unwrap();
+        let mut p = Policy::new(PolicyConfig::default());
+        let ent = |p: &Policy, id: u64| {
+            p.last_output()
+                .vms()
+                .iter()
+                .find(|d| d.vm == VmId(id))
+                .unwrap()
+                .entitlement_pct
+        };
+        let tick = 10_000_000;
+        for helpers in [0, 1] {
+            let mut p2 = p.clone();
+            for k in 0..5u64 {
+                let u = [
+                    VmUsage::total(VmId(1), k * tick * (1 + u64::from(helpers)), true)
+                        .with_busy_helpers(helpers),
+                    VmUsage::total(VmId(2), k * tick, true),
+                ];
+                p2.tick(&m, k * tick, &u);
+            }
+            let want = if helpers == 0 { 100.0 } else { 150.0 };
+            assert!(
+                (ent(&p2, 1) - want).abs() < 1e-6,
+                "{helpers}: {}",
+                ent(&p2, 1)
+            );
+            assert!((ent(&p2, 2) - (200.0 - want)).abs() < 1e-6);
+        }
+        // A helper beside no runnable vCPU (I/O finishing for a halted VM)
+        // makes no demand.
+        p.tick(
+            &m,
+            0,
+            &[VmUsage::total(VmId(1), 0, false).with_busy_helpers(1)],
+        );
+        assert_eq!(ent(&p, 1), 0.0);
     }
 
     #[test]

@@ -61,15 +61,32 @@ pub fn own_thread_cpu_ns() -> u64 {
     thread_cpu_ns(unsafe { libc::gettid() }).unwrap_or(0)
 }
 
-/// Reads the clocks of a VM's extra (device) threads; returns their sum,
-/// using the last reading of a thread that is gone.
-fn sample_extra(v: &mut Tracked) -> u64 {
-    for (t, last) in v.extra.iter().zip(v.extra_last.iter_mut()) {
+/// Reads the clocks of a VM's extra (device) threads; returns their sum
+/// (using the last reading of a thread that is gone) and how many of them
+/// ran at least 1/[`BUSY_FRACTION`] of a tick within the last
+/// [`RUNNABLE_MEMORY_TICKS`] ticks.
+fn sample_extra(v: &mut Tracked, tick_ns: u64) -> (u64, u32) {
+    let mut busy = 0;
+    for ((t, last), idle) in v
+        .extra
+        .iter()
+        .zip(v.extra_last.iter_mut())
+        .zip(v.extra_idle.iter_mut())
+    {
+        let prev = *last;
         if let Some(ns) = thread_cpu_ns(*t) {
-            *last = (*last).max(ns);
+            *last = prev.max(ns);
+        }
+        if last.saturating_sub(prev) * BUSY_FRACTION >= tick_ns {
+            *idle = 0;
+        } else {
+            *idle = idle.saturating_add(1);
+        }
+        if *idle < RUNNABLE_MEMORY_TICKS {
+            busy += 1;
         }
     }
-    v.extra_last.iter().sum()
+    (v.extra_last.iter().sum(), busy)
 }
 
 struct Tracked {
@@ -89,6 +106,8 @@ struct Tracked {
     /// Their clocks at the last sample (kept when a thread is gone, so the
     /// VM's total never goes backwards).
     extra_last: Vec<u64>,
+    /// Per extra thread: ticks since it last ran (saturating).
+    extra_idle: Vec<u8>,
     /// Parked, and sampled after every vCPU was blocked on the gate.
     settled: bool,
 }
@@ -229,6 +248,7 @@ impl CpuScheduler {
                 runnable,
                 parked_ticks: 0,
                 total: 0,
+                extra_idle: vec![RUNNABLE_MEMORY_TICKS; extra.len()],
                 extra,
                 extra_last,
                 settled: false,
@@ -303,9 +323,11 @@ impl CpuScheduler {
                 // their clocks cannot have moved. Skipping them keeps the
                 // scheduler cheap with many parked VMs; the device thread
                 // may still be serving I/O, so it is read.
-                let total = v.total + sample_extra(v);
+                let (extra, helpers) = sample_extra(v, tick_ns);
                 inner.usages.push(
-                    VmUsage::total(*id, total, v.runnable > 0).with_runnable_vcpus(v.runnable),
+                    VmUsage::total(*id, v.total + extra, v.runnable > 0)
+                        .with_runnable_vcpus(v.runnable)
+                        .with_busy_helpers(helpers),
                 );
                 continue;
             }
@@ -343,14 +365,17 @@ impl CpuScheduler {
                 total += ns;
             }
             v.total = total;
-            let total = total + sample_extra(v);
+            let (extra, helpers) = sample_extra(v, tick_ns);
+            let total = total + extra;
             // A parked VM's vCPUs wait on the gate: they still want CPU as
             // much as when they were parked.
             let runnable = if parked { v.runnable.max(1) } else { busy };
             v.runnable = runnable;
-            inner
-                .usages
-                .push(VmUsage::total(*id, total, runnable > 0).with_runnable_vcpus(runnable));
+            inner.usages.push(
+                VmUsage::total(*id, total, runnable > 0)
+                    .with_runnable_vcpus(runnable)
+                    .with_busy_helpers(helpers),
+            );
         }
         // Real host idle time, so that CPU taken by other processes is not
         // mistaken for CPU our VMs left unused.
