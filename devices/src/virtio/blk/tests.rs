@@ -888,6 +888,71 @@ fn subscriber_serves_notifications_on_the_event_loop() {
 /// cache, at queue depth 4, against a bare `pread`/`pwrite` loop of the same
 /// sizes (the kernel's copy alone). The difference is the device's cost.
 /// `cargo test -p corral-devices --release -- --ignored bench_read_32m --nocapture`
+/// The CPU cost of a throttle whose limits are never hit, per request, on
+/// the device path alone (no VM, so no guest noise): 4 KiB and 128 KiB
+/// reads at queue depth 4 through the device, without a gate and with a
+/// `Throttle` 100x above need, in interleaved rounds; best of each.
+/// `cargo test -p corral-devices --release -- --ignored bench_throttle_cost --nocapture`
+#[test]
+#[ignore]
+fn bench_throttle_cost() {
+    const DISK: usize = 32 * MIB;
+    let (t, p) = disk_file(DISK);
+    let _ = file_bytes(&t, 0, DISK);
+    let limits = corral_blkthrottle::Limits::parse("bps=400G,iops=10000000").unwrap();
+    for (name, total, req) in [
+        ("read 8 MiB / 4 KiB", 8 * MIB, 4096u32),
+        ("read 32 MiB / 128 KiB", DISK, 128 * 1024),
+    ] {
+        let nreq = total / req as usize;
+        let mut best = [f64::MAX; 2];
+        for round in 0..30 {
+            for which in [round % 2, 1 - round % 2] {
+                let disk = DiskFile::open(&p, true, false).unwrap();
+                let h = Harness::new(disk, 64 * MIB, 0);
+                let mut h = h;
+                if which == 1 {
+                    let now = gate::monotonic_ns();
+                    let th = corral_blkthrottle::Throttle::new(&limits, now).unwrap();
+                    lock(&h.block).set_gate(Some(Box::new(th)));
+                }
+                let start = std::time::Instant::now();
+                let mut done = 0;
+                while done < nreq {
+                    for k in 0..4 {
+                        let i = done + k;
+                        let hdr = HDR + 32 * k as u64;
+                        write_header(
+                            &h.mem,
+                            hdr,
+                            request::T_IN,
+                            (i as u64 * u64::from(req)) / 512,
+                        );
+                        let buf = 8 * MIB as u64 + k as u64 * u64::from(req);
+                        h.ring.submit(&[
+                            (hdr, 16, false),
+                            (buf, req, true),
+                            (STATUS + k as u64, 1, true),
+                        ]);
+                    }
+                    h.process();
+                    done += 4;
+                }
+                assert_eq!(h.ring.used_idx(), nreq as u16);
+                best[which] = best[which].min(start.elapsed().as_secs_f64());
+            }
+        }
+        let per = |x: f64| x / nreq as f64 * 1e6;
+        println!(
+            "{name}: no limit {:.3} us/req, limit 100x above need {:.3} us/req: throttle +{:.3} us/req ({:+.2} %)",
+            per(best[0]),
+            per(best[1]),
+            per(best[1]) - per(best[0]),
+            (best[1] / best[0] - 1.0) * 100.0
+        );
+    }
+}
+
 #[test]
 #[ignore]
 fn bench_read_32m() {
