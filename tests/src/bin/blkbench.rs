@@ -190,5 +190,69 @@ fn main() {
             ci * 100.0
         );
     }
+    // The same, with the host's run-to-run noise taken out: one VM with four
+    // disks on the same (page-cached) file, unlimited / limited / limited /
+    // unlimited (ABBA cancels a drift inside the run), the job run on each
+    // in turn (`probe.disks=all`); ratio = limited pair / unlimited pair.
+    println!(
+        "same, inside one VM (disks none/limited/limited/none, the job on each in turn), {npairs} VMs:"
+    );
+    for (name, p) in [
+        (
+            "32 MiB read, 128 KiB, qd 4",
+            "probe.op=read probe.size=32M probe.bs=128K probe.qd=4",
+        ),
+        (
+            "8 MiB read, 2048 x 4 KiB, qd 4",
+            "probe.op=read probe.size=8M probe.bs=4K probe.qd=4",
+        ),
+    ] {
+        let limited = format!("{disk},readonly,bps=400G,iops=10000000");
+        let plain = format!("{disk},readonly");
+        let probe = format!("probe.mode=blk probe.disks=all {p}");
+        let mut r = Vec::new();
+        for _ in 0..npairs {
+            let out = Command::new(corral_tests::corral_bin())
+                .args([
+                    "run",
+                    "--memory",
+                    "96",
+                    "--disk",
+                    &plain,
+                    "--disk",
+                    &limited,
+                    "--disk",
+                    &limited,
+                    "--disk",
+                    &plain,
+                    "--cmdline",
+                    &probe,
+                ])
+                .stdin(Stdio::null())
+                .stderr(Stdio::inherit())
+                .output()
+                .expect("run corral");
+            let text = String::from_utf8_lossy(&out.stdout);
+            let us: Vec<f64> = text
+                .lines()
+                .filter(|l| l.starts_with("PROBE-RESULT mode=blk"))
+                .map(|l| {
+                    assert_eq!(corral_tests::vms::field(l, "errors"), Some("0"), "{l}");
+                    corral_tests::vms::field(l, "us")
+                        .and_then(|v| v.parse().ok())
+                        .unwrap_or_else(|| panic!("no us= in {l}"))
+                })
+                .collect();
+            assert_eq!(us.len(), 4, "{text}");
+            r.push((us[1] + us[2]) / (us[0] + us[3]));
+        }
+        let (m, ci) = mean_ci(&r);
+        println!(
+            "  {name:32} limited/none ratio median {:+.2} %, mean {:+.2} % ± {:.2} %",
+            (median(&mut r) - 1.0) * 100.0,
+            (m - 1.0) * 100.0,
+            ci * 100.0
+        );
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }
