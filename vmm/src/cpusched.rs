@@ -30,11 +30,6 @@ pub fn thread_cpu_ns(tid: libc::pid_t) -> Option<u64> {
     (r == 0).then(|| ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64)
 }
 
-/// Idle time of all host CPUs (idle + iowait) in ns, from /proc/stat.
-pub fn host_idle_ns() -> Option<u64> {
-    host_stat_ns().map(|(idle, _)| idle)
-}
-
 /// Idle (idle + iowait) and steal time of all host CPUs in ns, from
 /// /proc/stat's `cpu` line.
 pub fn host_stat_ns() -> Option<(u64, u64)> {
@@ -77,16 +72,22 @@ fn sample_extra(v: &mut Tracked, tick_ns: u64) -> (u64, u32) {
         if let Some(ns) = thread_cpu_ns(*t) {
             *last = prev.max(ns);
         }
-        if last.saturating_sub(prev) * BUSY_FRACTION >= tick_ns {
-            *idle = 0;
-        } else {
-            *idle = idle.saturating_add(1);
-        }
-        if *idle < RUNNABLE_MEMORY_TICKS {
-            busy += 1;
-        }
+        busy += u32::from(note_run(idle, *last - prev, tick_ns));
     }
     (v.extra_last.iter().sum(), busy)
+}
+
+/// Updates a thread's count of ticks since it last ran, given the CPU time
+/// `ran_ns` it used in this tick; true if it counts as runnable (it ran at
+/// least 1/[`BUSY_FRACTION`] of a tick within the last
+/// [`RUNNABLE_MEMORY_TICKS`] ticks).
+fn note_run(idle: &mut u8, ran_ns: u64, tick_ns: u64) -> bool {
+    if ran_ns * BUSY_FRACTION >= tick_ns {
+        *idle = 0;
+    } else {
+        *idle = idle.saturating_add(1);
+    }
+    *idle < RUNNABLE_MEMORY_TICKS
 }
 
 struct Tracked {
@@ -350,14 +351,7 @@ impl CpuScheduler {
                 };
                 let prev = v.last.get(i).copied().unwrap_or(ns);
                 if let Some(idle) = v.idle_ticks.get_mut(i) {
-                    if ns.saturating_sub(prev) * BUSY_FRACTION >= tick_ns {
-                        *idle = 0;
-                    } else {
-                        *idle = idle.saturating_add(1);
-                    }
-                    if *idle < RUNNABLE_MEMORY_TICKS {
-                        busy += 1;
-                    }
+                    busy += u32::from(note_run(idle, ns.saturating_sub(prev), tick_ns));
                 }
                 if let Some(l) = v.last.get_mut(i) {
                     *l = ns;
