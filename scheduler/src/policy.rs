@@ -1237,10 +1237,9 @@ mod tests {
         m
     }
 
-    /// With CPU lost to steal, a reservation is still a whole CPU: the
-    /// other classes share what is really left.
-    #[test]
-    fn steal_shrinks_the_others_not_the_reservation() {
+    /// Three 2-vCPU VMs on 2 CPUs: one in a class with a 100 % reservation
+    /// (shares 1), two in classes of shares 10.
+    fn reserved_and_two_big() -> Model {
         let mut m = Model::new(Capacity::from_cpus(2));
         m.create_class("res", ClassSpec::new(1).with_reservation(100))
             .unwrap();
@@ -1249,19 +1248,29 @@ mod tests {
         for (id, c) in [(1, "res"), (2, "x"), (3, "y")] {
             m.add_vm(VmId(id), VmSpec::new(c, 2)).unwrap();
         }
+        m
+    }
+
+    /// VM `id`'s entitlement at the last tick.
+    fn ent(p: &Policy, id: u64) -> f64 {
+        p.last_output()
+            .vms()
+            .iter()
+            .find(|d| d.vm == VmId(id))
+            .unwrap()
+            .entitlement_pct
+    }
+
+    /// With CPU lost to steal, a reservation is still a whole CPU: the
+    /// other classes share what is really left.
+    #[test]
+    fn steal_shrinks_the_others_not_the_reservation() {
+        let m = reserved_and_two_big();
         let mut p = Policy::new(PolicyConfig::default());
         let usage = |t: u64| -> Vec<VmUsage> {
             (1..=3)
                 .map(|i| VmUsage::total(VmId(i), t * 2, true))
                 .collect()
-        };
-        let ent = |p: &Policy, id: u64| {
-            p.last_output()
-                .vms()
-                .iter()
-                .find(|d| d.vm == VmId(id))
-                .unwrap()
-                .entitlement_pct
         };
         p.tick(&m, 0, &usage(0));
         assert!((ent(&p, 1) - 100.0).abs() < 1e-6 && (ent(&p, 2) - 50.0).abs() < 1e-6);
@@ -1293,14 +1302,6 @@ mod tests {
         m.add_vm(VmId(1), VmSpec::new("victim", 1)).unwrap();
         m.add_vm(VmId(2), VmSpec::new("hog", 2)).unwrap();
         let mut p = Policy::new(PolicyConfig::default());
-        let ent = |p: &Policy, id: u64| {
-            p.last_output()
-                .vms()
-                .iter()
-                .find(|d| d.vm == VmId(id))
-                .unwrap()
-                .entitlement_pct
-        };
         let tick = 10_000_000;
         for helpers in [0, 1] {
             let mut p2 = p.clone();
@@ -1335,14 +1336,7 @@ mod tests {
     /// share the loss.
     #[test]
     fn reservation_holds_when_the_host_delivers_less() {
-        let mut m = Model::new(Capacity::from_cpus(2));
-        m.create_class("res", ClassSpec::new(1).with_reservation(100))
-            .unwrap();
-        m.create_class("x", ClassSpec::new(10)).unwrap();
-        m.create_class("y", ClassSpec::new(10)).unwrap();
-        for (id, c) in [(1, "res"), (2, "x"), (3, "y")] {
-            m.add_vm(VmId(id), VmSpec::new(c, 2)).unwrap();
-        }
+        let m = reserved_and_two_big();
         let mut p = Policy::new(PolicyConfig::default());
         let tick = 10_000_000u64;
         let mut total = [0u64; 3];
