@@ -330,8 +330,7 @@ impl Block {
             if !ring_sane(act, &self.engine.stats) {
                 return;
             }
-            if act.queue.disable_notification(&act.mem).is_err() {
-                break_ring(act, &self.engine.stats);
+            if !notifications_off(act, &self.engine.stats) {
                 return;
             }
             while let Some(chain) = act.queue.pop_descriptor_chain(&act.mem) {
@@ -367,13 +366,10 @@ impl Block {
                     break 'outer;
                 }
             }
-            match act.queue.enable_notification(&act.mem) {
-                Ok(true) => continue,
-                Ok(false) => break,
-                Err(_) => {
-                    break_ring(act, &self.engine.stats);
-                    return;
-                }
+            match notifications_on(act, &self.engine.stats) {
+                Some(true) => continue,
+                Some(false) => break,
+                None => return,
             }
         }
         if used_any {
@@ -415,8 +411,7 @@ impl Block {
             if act.broken || act.waiting.is_some() || !act.queue.ready() {
                 return;
             }
-            if act.queue.disable_notification(&act.mem).is_err() {
-                break_ring(act, &self.engine.stats);
+            if !notifications_off(act, &self.engine.stats) {
                 return;
             }
             let seen = Wrapping(act.queue.next_avail());
@@ -438,13 +433,9 @@ impl Block {
             if more {
                 continue;
             }
-            match act.queue.enable_notification(&act.mem) {
-                Ok(true) => continue,
-                Ok(false) => return,
-                Err(_) => {
-                    break_ring(act, &self.engine.stats);
-                    return;
-                }
+            match notifications_on(act, &self.engine.stats) {
+                Some(true) => continue,
+                Some(false) | None => return,
             }
         }
     }
@@ -499,6 +490,27 @@ fn arm(timer: &GateTimer, until: Nanos) {
     if let Err(e) = timer.arm_at(until) {
         tracing::error!("virtio-blk: cannot arm the throttle timer: {e}");
     }
+}
+
+/// Tells the driver it need not notify (the device is serving or polling
+/// the ring); false if the ring is broken (and now marked so).
+fn notifications_off(act: &mut Active, stats: &BlockStats) -> bool {
+    let ok = act.queue.disable_notification(&act.mem).is_ok();
+    if !ok {
+        break_ring(act, stats);
+    }
+    ok
+}
+
+/// Asks the driver to notify again; `Some(true)` if requests arrived in
+/// the meantime (serve them before sleeping), `None` if the ring is broken
+/// (and now marked so).
+fn notifications_on(act: &mut Active, stats: &BlockStats) -> Option<bool> {
+    let r = act.queue.enable_notification(&act.mem).ok();
+    if r.is_none() {
+        break_ring(act, stats);
+    }
+    r
 }
 
 fn break_ring(act: &mut Active, stats: &BlockStats) {

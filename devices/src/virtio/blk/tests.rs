@@ -888,6 +888,29 @@ fn subscriber_serves_notifications_on_the_event_loop() {
 /// cache, at queue depth 4, against a bare `pread`/`pwrite` loop of the same
 /// sizes (the kernel's copy alone). The difference is the device's cost.
 /// `cargo test -p corral-devices --release -- --ignored bench_read_32m --nocapture`
+/// Reads (or writes) `nreq` consecutive requests of `req` bytes through the
+/// device at queue depth 4, like the guest benchmark: four chains, then one
+/// processing pass, and again.
+fn qd4_job(h: &mut Harness, read: bool, nreq: usize, req: u32) {
+    let kind = if read { request::T_IN } else { request::T_OUT };
+    let mut done = 0;
+    while done < nreq {
+        for k in 0..4 {
+            let i = done + k;
+            let hdr = HDR + 32 * k as u64;
+            write_header(&h.mem, hdr, kind, (i as u64 * u64::from(req)) / 512);
+            let buf = 8 * MIB as u64 + k as u64 * u64::from(req);
+            h.ring.submit(&[
+                (hdr, 16, false),
+                (buf, req, read),
+                (STATUS + k as u64, 1, true),
+            ]);
+        }
+        h.process();
+        done += 4;
+    }
+}
+
 /// The CPU cost of a throttle whose limits are never hit, per request, on
 /// the device path alone (no VM, so no guest noise): 4 KiB and 128 KiB
 /// reads at queue depth 4 through the device, without a gate and with a
@@ -909,35 +932,14 @@ fn bench_throttle_cost() {
         for round in 0..30 {
             for which in [round % 2, 1 - round % 2] {
                 let disk = DiskFile::open(&p, true, false).unwrap();
-                let h = Harness::new(disk, 64 * MIB, 0);
-                let mut h = h;
+                let mut h = Harness::new(disk, 64 * MIB, 0);
                 if which == 1 {
                     let now = gate::monotonic_ns();
                     let th = corral_blkthrottle::Throttle::new(&limits, now).unwrap();
                     lock(&h.block).set_gate(Some(Box::new(th)));
                 }
                 let start = std::time::Instant::now();
-                let mut done = 0;
-                while done < nreq {
-                    for k in 0..4 {
-                        let i = done + k;
-                        let hdr = HDR + 32 * k as u64;
-                        write_header(
-                            &h.mem,
-                            hdr,
-                            request::T_IN,
-                            (i as u64 * u64::from(req)) / 512,
-                        );
-                        let buf = 8 * MIB as u64 + k as u64 * u64::from(req);
-                        h.ring.submit(&[
-                            (hdr, 16, false),
-                            (buf, req, true),
-                            (STATUS + k as u64, 1, true),
-                        ]);
-                    }
-                    h.process();
-                    done += 4;
-                }
+                qd4_job(&mut h, true, nreq, req);
                 assert_eq!(h.ring.used_idx(), nreq as u16);
                 best[which] = best[which].min(start.elapsed().as_secs_f64());
             }
@@ -973,24 +975,7 @@ fn bench_read_32m() {
         let mut best = f64::MAX;
         for _ in 0..5 {
             let start = std::time::Instant::now();
-            let mut done = 0;
-            while done < nreq {
-                // Queue depth 4, like the guest benchmark.
-                for k in 0..4 {
-                    let i = done + k;
-                    let hdr = HDR + 32 * k as u64;
-                    let kind = if read { request::T_IN } else { request::T_OUT };
-                    write_header(&h.mem, hdr, kind, (i as u64 * u64::from(req)) / 512);
-                    let buf = 8 * MIB as u64 + k as u64 * u64::from(req);
-                    h.ring.submit(&[
-                        (hdr, 16, false),
-                        (buf, req, read),
-                        (STATUS + k as u64, 1, true),
-                    ]);
-                }
-                h.process();
-                done += 4;
-            }
+            qd4_job(&mut h, read, nreq, req);
             best = best.min(start.elapsed().as_secs_f64());
         }
         assert_eq!(h.ring.used_idx(), (5 * nreq) as u16);
