@@ -19,11 +19,34 @@ fn run(disk: &str, probe: &str) -> (f64, f64) {
     run_env(disk, probe, None)
 }
 
+/// The 128 KiB and 4 KiB read jobs (name, probe parameters).
+const READ_128K: (&str, &str) = (
+    "32 MiB read, 128 KiB, qd 4",
+    "probe.op=read probe.size=32M probe.bs=128K probe.qd=4",
+);
+const READ_4K: (&str, &str) = (
+    "8 MiB read, 2048 x 4 KiB, qd 4",
+    "probe.op=read probe.size=8M probe.bs=4K probe.qd=4",
+);
+/// Limits 100x above what the disk does here: never hit.
+const UNUSED_LIMIT: &str = "bps=400G,iops=10000000";
+
 /// One `corral run` of the probe's blk job; `poll_us` sets
 /// `CORRAL_BLK_POLL_US` for it. Returns (bytes, guest µs).
 fn run_env(disk: &str, probe: &str, poll_us: Option<u64>) -> (f64, f64) {
+    run_vm(&[disk], probe, poll_us)[0]
+}
+
+/// One `corral run` with `disks`; returns (bytes, guest µs) of every blk
+/// result line (one per disk with `probe.disks=all`), each checked for
+/// errors.
+fn run_vm(disks: &[&str], probe: &str, poll_us: Option<u64>) -> Vec<(f64, f64)> {
     let mut cmd = Command::new(corral_tests::corral_bin());
-    cmd.args(["run", "--memory", "96", "--disk", disk, "--cmdline", probe])
+    cmd.args(["run", "--memory", "96"]);
+    for d in disks {
+        cmd.args(["--disk", d]);
+    }
+    cmd.args(["--cmdline", probe])
         .stdin(Stdio::null())
         .stderr(Stdio::inherit());
     if let Some(us) = poll_us {
@@ -31,17 +54,21 @@ fn run_env(disk: &str, probe: &str, poll_us: Option<u64>) -> (f64, f64) {
     }
     let out = cmd.output().expect("run corral");
     let text = String::from_utf8_lossy(&out.stdout);
-    let line = text
+    let r: Vec<(f64, f64)> = text
         .lines()
-        .find(|l| l.starts_with("PROBE-RESULT mode=blk"))
-        .unwrap_or_else(|| panic!("no result: {text}"));
-    let get = |k: &str| -> f64 {
-        corral_tests::vms::field(line, k)
-            .and_then(|v| v.parse().ok())
-            .unwrap_or_else(|| panic!("no {k} in {line}"))
-    };
-    assert_eq!(get("errors"), 0.0, "{line}");
-    (get("bytes"), get("us"))
+        .filter(|l| l.starts_with("PROBE-RESULT mode=blk"))
+        .map(|line| {
+            let get = |k: &str| -> f64 {
+                corral_tests::vms::field(line, k)
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or_else(|| panic!("no {k} in {line}"))
+            };
+            assert_eq!(get("errors"), 0.0, "{line}");
+            (get("bytes"), get("us"))
+        })
+        .collect();
+    assert!(!r.is_empty(), "no result: {text}");
+    r
 }
 
 /// Runs `a` and `b` in `n` interleaved pairs (alternating which goes
@@ -106,18 +133,12 @@ fn main() {
     let disk = img.display().to_string();
 
     let jobs = [
-        (
-            "32 MiB read, 128 KiB, qd 4",
-            "probe.op=read probe.size=32M probe.bs=128K probe.qd=4",
-        ),
+        READ_128K,
         (
             "32 MiB write, 128 KiB, qd 4",
             "probe.op=write probe.size=32M probe.bs=128K probe.qd=4",
         ),
-        (
-            "8 MiB read, 2048 x 4 KiB, qd 4",
-            "probe.op=read probe.size=8M probe.bs=4K probe.qd=4",
-        ),
+        READ_4K,
         (
             "8 MiB read, 2048 x 4 KiB, qd 1",
             "probe.op=read probe.size=8M probe.bs=4K probe.qd=1",
@@ -163,18 +184,8 @@ fn main() {
 
     // Overhead of limits that are never hit: 100x above what the disk does here.
     println!("limit 100x above need vs none, {npairs} interleaved pairs (ratio limited/none):");
-    for (name, p, limit) in [
-        (
-            "32 MiB read, 128 KiB, qd 4",
-            "probe.op=read probe.size=32M probe.bs=128K probe.qd=4",
-            "bps=400G,iops=10000000",
-        ),
-        (
-            "8 MiB read, 2048 x 4 KiB, qd 4",
-            "probe.op=read probe.size=8M probe.bs=4K probe.qd=4",
-            "bps=400G,iops=10000000",
-        ),
-    ] {
+    let limit = UNUSED_LIMIT;
+    for (name, p) in [READ_128K, READ_4K] {
         let probe = format!("probe.mode=blk {p}");
         let limited = format!("{disk},{limit}");
         run(&disk, &probe);
@@ -197,53 +208,17 @@ fn main() {
     println!(
         "same, inside one VM (disks none/limited/limited/none, the job on each in turn), {npairs} VMs:"
     );
-    for (name, p) in [
-        (
-            "32 MiB read, 128 KiB, qd 4",
-            "probe.op=read probe.size=32M probe.bs=128K probe.qd=4",
-        ),
-        (
-            "8 MiB read, 2048 x 4 KiB, qd 4",
-            "probe.op=read probe.size=8M probe.bs=4K probe.qd=4",
-        ),
-    ] {
-        let limited = format!("{disk},readonly,bps=400G,iops=10000000");
+    for (name, p) in [READ_128K, READ_4K] {
+        let limited = format!("{disk},readonly,{UNUSED_LIMIT}");
         let plain = format!("{disk},readonly");
         let probe = format!("probe.mode=blk probe.disks=all {p}");
         let mut r = Vec::new();
         for _ in 0..npairs {
-            let out = Command::new(corral_tests::corral_bin())
-                .args([
-                    "run",
-                    "--memory",
-                    "96",
-                    "--disk",
-                    &plain,
-                    "--disk",
-                    &limited,
-                    "--disk",
-                    &limited,
-                    "--disk",
-                    &plain,
-                    "--cmdline",
-                    &probe,
-                ])
-                .stdin(Stdio::null())
-                .stderr(Stdio::inherit())
-                .output()
-                .expect("run corral");
-            let text = String::from_utf8_lossy(&out.stdout);
-            let us: Vec<f64> = text
-                .lines()
-                .filter(|l| l.starts_with("PROBE-RESULT mode=blk"))
-                .map(|l| {
-                    assert_eq!(corral_tests::vms::field(l, "errors"), Some("0"), "{l}");
-                    corral_tests::vms::field(l, "us")
-                        .and_then(|v| v.parse().ok())
-                        .unwrap_or_else(|| panic!("no us= in {l}"))
-                })
+            let us: Vec<f64> = run_vm(&[&plain, &limited, &limited, &plain], &probe, None)
+                .into_iter()
+                .map(|(_, us)| us)
                 .collect();
-            assert_eq!(us.len(), 4, "{text}");
+            assert_eq!(us.len(), 4, "one result per disk: {us:?}");
             r.push((us[1] + us[2]) / (us[0] + us[3]));
         }
         let (m, ci) = mean_ci(&r);
