@@ -790,30 +790,17 @@ mod tests {
             assert!(e.to_string().starts_with("--linux-rootfs /"), "{e}");
         }
         // Wrong kinds of file.
-        let e = plan(
-            &args(&|a| a.linux_kernel = Some(r.clone())),
-            Selection::IfPossible,
-            &t.host(false),
-            false,
-        )
-        .unwrap_err();
-        assert!(e.to_string().contains("neither a bzImage"), "{e}");
-        let e = plan(
-            &args(&|a| a.linux_rootfs = Some(k.clone())),
-            Selection::IfPossible,
-            &t.host(false),
-            false,
-        )
-        .unwrap_err();
-        assert!(e.to_string().contains("not an ext4 image"), "{e}");
-        let e = plan(
-            &args(&|a| a.linux_initrd = Some(t.0.clone())),
-            Selection::IfPossible,
-            &t.host(false),
-            false,
-        )
-        .unwrap_err();
-        assert!(e.to_string().contains("not a regular file"), "{e}");
+        let refused = |f: &dyn Fn(&mut LinuxArgs)| {
+            plan(&args(f), Selection::IfPossible, &t.host(false), false)
+                .unwrap_err()
+                .to_string()
+        };
+        let e = refused(&|a| a.linux_kernel = Some(r.clone()));
+        assert!(e.contains("neither a bzImage"), "{e}");
+        let e = refused(&|a| a.linux_rootfs = Some(k.clone()));
+        assert!(e.contains("not an ext4 image"), "{e}");
+        let e = refused(&|a| a.linux_initrd = Some(t.0.clone()));
+        assert!(e.contains("not a regular file"), "{e}");
         // Numbers.
         for (f, opt) in [
             (
