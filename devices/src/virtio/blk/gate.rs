@@ -88,9 +88,8 @@ impl GateTimer {
             return Err(io::Error::last_os_error());
         }
         // SAFETY: fd is a new descriptor that nothing else owns.
-        Ok(Self {
-            fd: unsafe { OwnedFd::from_raw_fd(fd) },
-        })
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        Ok(Self { fd })
     }
 
     fn set(&self, at: Nanos, flags: libc::c_int) -> io::Result<()> {
