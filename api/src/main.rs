@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use clap::{Parser, Subcommand};
 
-mod bench;
+mod bench_exec;
 mod cli;
 mod client;
 mod demo;
@@ -17,7 +17,7 @@ mod server;
 mod term;
 
 /// The built-in default guest: the probe, built from guest-images/probe.
-pub(crate) static PROBE_ELF: &[u8] = include_bytes!(env!("CORRAL_PROBE_ELF"));
+pub(crate) use corral_probe::PROBE_ELF;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -72,8 +72,14 @@ enum Cmd {
     Status,
     /// Start a daemon, run VMs in two classes, show the figures, clean up.
     Demo(demo::DemoArgs),
-    /// Benchmarks: overhead, interference, throttle (report, plots, CSV).
-    Bench(bench::BenchArgs),
+    /// Benchmarks: overhead, interference, throttle (report, plots, CSV);
+    /// runs `corral-bench`, see `corral bench --help`.
+    #[command(disable_help_flag = true)]
+    Bench {
+        /// Arguments for `corral-bench`.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<std::ffi::OsString>,
+    },
 }
 
 #[derive(clap::Args, Debug)]
@@ -146,10 +152,7 @@ fn main() -> ExitCode {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => fail(e.to_string()),
         },
-        Cmd::Bench(a) => match bench::bench(a, builtin()) {
-            Ok(()) => ExitCode::SUCCESS,
-            Err(e) => fail(e.to_string()),
-        },
+        Cmd::Bench { args } => bench_exec::exec(args),
         cmd => {
             let client = match client::Client::from_args(cli.socket, cli.url) {
                 Ok(c) => c,

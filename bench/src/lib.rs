@@ -24,6 +24,7 @@ use std::time::Duration;
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
+mod host;
 mod interference;
 mod linux;
 mod overhead;
@@ -170,7 +171,7 @@ pub(crate) struct Sizes {
 
 impl Sizes {
     pub fn new(quick: bool) -> Self {
-        let pvm = runner::host_is_pvm();
+        let pvm = host::host_is_pvm();
         let (cpu_units, unit_iters) = match (pvm, quick) {
             // ~135 ms per unit of 20000 rounds on a kvm_pvm host.
             (true, false) => (16, 20_000),
@@ -207,10 +208,10 @@ pub(crate) fn progress(len: u64) -> ProgressBar {
 
 /// The lines about the host and the run that every report starts with.
 pub(crate) fn host_lines(quick: bool) -> String {
-    let pvm = runner::host_is_pvm();
+    let pvm = host::host_is_pvm();
     let mut s = format!(
         "- host: {} CPUs available to corral, KVM {}\n- corral {} ({} build), {} UTC\n",
-        runner::host_cpus(),
+        host::host_cpus(),
         if pvm {
             "kvm_pvm (guest code runs in KVM's instruction emulator, ~1 µs per instruction)"
         } else {

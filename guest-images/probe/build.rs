@@ -1,12 +1,13 @@
 //! Builds the probe guest from source (guest-images/probe, with make + gcc)
-//! and places it in OUT_DIR so that `corral` embeds it as the default guest.
+//! and places it in OUT_DIR so that `corral-probe` embeds it (the default guest
+//! of `corral` and the benchmarks' guest).
 
 use std::path::PathBuf;
 use std::process::Command;
 
 fn main() {
     let manifest = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").expect("CARGO_MANIFEST_DIR"));
-    let probe_dir = manifest.join("../guest-images/probe");
+    let probe_dir = manifest;
     let out = PathBuf::from(std::env::var("OUT_DIR").expect("OUT_DIR")).join("probe");
     println!("cargo:rerun-if-changed={}", probe_dir.display());
     println!("cargo:rerun-if-env-changed=CORRAL_PROBE_PREBUILT");

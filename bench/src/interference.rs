@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use corral_vmm::manager::{CpuBackend, IoLimits, Manager};
 
+use super::host;
 use super::plot::{self, Panel, Series};
 use super::report::{Csv, OutDir, Report, Table};
 use super::runner::{self, Hog, Job, Scratch, Vm};
@@ -119,8 +120,8 @@ pub fn run(a: InterferenceArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String)
     let sz = Sizes::new(quick);
     // Two host CPUs, so that a hog with as many vCPUs contends with the
     // victim on any host (and the scheduler's capacity is those two).
-    let host_cpus = runner::host_cpus();
-    let ncpu = runner::limit_cpus(2);
+    let host_cpus = host::host_cpus();
+    let ncpu = host::limit_cpus(2);
     let victim_disk = scratch.filled("victim.img", sz.disk_bytes)?;
     let hog_disk = scratch.filled("hog.img", sz.disk_bytes)?;
     let timeout = Duration::from_secs(if quick { 60 } else { 900 });

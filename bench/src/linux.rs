@@ -136,8 +136,8 @@ impl Host {
     pub fn detect() -> Self {
         let override_pvm = std::env::var(PVM_OVERRIDE_ENV).is_ok_and(|v| v == "1");
         Self {
-            pvm: super::runner::host_is_pvm() && !override_pvm,
-            cpus: super::runner::host_cpus(),
+            pvm: super::host::host_is_pvm() && !override_pvm,
+            cpus: super::host::host_cpus(),
             tree: source_tree(),
         }
     }
