@@ -15,6 +15,7 @@ mod metrics;
 mod run;
 mod server;
 mod term;
+mod ui;
 
 /// The built-in default guest: the probe, built from guest-images/probe.
 pub(crate) use corral_probe::PROBE_ELF;

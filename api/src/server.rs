@@ -197,6 +197,7 @@ pub fn router(mgr: Arc<Manager>) -> Router {
         .route("/v1/vms/{name}/disks/{disk}", patch(patch_disk))
         .route("/v1/vms/{name}/console", get(console))
         .route("/metrics", get(metrics_handler))
+        .merge(crate::ui::router())
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))

@@ -45,6 +45,19 @@ impl Daemon {
         d
     }
 
+    /// The daemon's bearer token for TCP clients, if it wrote one beside
+    /// its socket.
+    pub fn token(&self) -> Option<String> {
+        std::fs::read_to_string(self.dir.join("token"))
+            .ok()
+            .map(|t| t.trim().to_string())
+    }
+
+    /// A path for a test's image file where this daemon may open it.
+    pub fn image_path(&self, name: &str) -> PathBuf {
+        self.dir.join(name)
+    }
+
     /// A new connection.
     pub fn conn(&self) -> Conn {
         Conn::new(&self.socket)

@@ -122,6 +122,7 @@ fn cases() -> Vec<(&'static str, &'static str, String, Option<String>)> {
         ("get", "/v1/status", "/v1/status".into(), None),
         ("get", "/v1/openapi.yaml", "/v1/openapi.yaml".into(), None),
         ("get", "/metrics", "/metrics".into(), None),
+        ("get", "/ui", "/ui".into(), None),
         ("get", "/v1/classes", "/v1/classes".into(), None),
         (
             "post",
