@@ -24,6 +24,7 @@ use std::time::Duration;
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
+mod ab;
 mod host;
 mod interference;
 mod linux;
@@ -64,6 +65,9 @@ enum BenchKind {
     /// Achieved versus configured I/O rate over a grid of limits and bursts,
     /// and the cost of limits that are never hit.
     Throttle(ThrottleArgs),
+    /// One command on two builds, interleaved: the ratio new/old with its
+    /// 95 % interval (e.g. `ab old/corral new/corral --until PROBE-UP -- run`).
+    Ab(ab::AbArgs),
 }
 
 /// Options every benchmark has.
@@ -110,9 +114,21 @@ impl JobKind {
 pub struct OverheadArgs {
     #[command(flatten)]
     common: CommonArgs,
-    /// Runs per configuration (default 5; 2 with --quick).
+    /// Rounds (each runs every configuration once): a fixed number. Without
+    /// it, rounds go on until every ratio's 95 % interval is within
+    /// --target, or until --budget is spent (2 rounds with --quick).
     #[arg(long)]
     runs: Option<u32>,
+    /// The 95 % interval half-width to reach, in percent.
+    #[arg(long, default_value_t = 0.3)]
+    target: f64,
+    /// Time budget for the rounds (e.g. 15m, 1h; default 15m).
+    #[arg(long, value_parser = stats::parse_duration)]
+    budget: Option<std::time::Duration>,
+    /// Guest seconds each probe job should take (the jobs are sized from a
+    /// calibration run; longer jobs have less relative noise).
+    #[arg(long, default_value_t = 2.0)]
+    job_secs: f64,
     /// Guest jobs.
     #[arg(long, value_enum, default_value_t = JobKind::All)]
     job: JobKind,
@@ -147,6 +163,10 @@ pub fn bench(args: BenchArgs, builtin: Arc<[u8]>) -> Result<(), BenchError> {
         BenchKind::Overhead(a) => overhead::run(a, &builtin)?,
         BenchKind::Interference(a) => interference::run(a, &builtin)?,
         BenchKind::Throttle(a) => throttle::run(a, &builtin)?,
+        BenchKind::Ab(a) => {
+            println!("{}", ab::run(&a)?);
+            return Ok(());
+        }
     };
     println!("{text}");
     println!("report, plots and samples: {}", dir.display());

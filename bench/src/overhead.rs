@@ -7,7 +7,7 @@
 
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use corral_vmm::manager::{CpuBackend, IoLimits, Manager};
 
@@ -15,7 +15,7 @@ use super::linux::{self, Plan};
 use super::plot::{self, Panel, Series};
 use super::report::{Csv, OutDir, Report, SUMMARY_HEADER, Table, summary_cells};
 use super::runner::{self, Job, JobResult, Scratch};
-use super::stats::{Summary, diff_pct};
+use super::stats::{RatioCi, Summary, diff_pct};
 use super::{BenchError, JobKind, OverheadArgs, Sizes};
 
 struct Config {
@@ -46,15 +46,61 @@ pub fn run(a: OverheadArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String), Be
         &linux::Host::detect(),
         quick,
     )?;
-    let runs = a.runs.unwrap_or(if quick { 2 } else { 5 }).max(1);
+    if !(a.target > 0.0 && a.target.is_finite()) {
+        return Err(BenchError(format!(
+            "--target {} must be a positive percentage",
+            a.target
+        )));
+    }
+    if !(a.job_secs > 0.0 && a.job_secs <= 600.0) {
+        return Err(BenchError(format!(
+            "--job-secs {} must be in (0, 600]",
+            a.job_secs
+        )));
+    }
+    // Fixed rounds (--runs, or 2 with --quick), else adaptive: at least
+    // MIN_ROUNDS, then until every interval is within --target or the
+    // budget is spent.
+    const MIN_ROUNDS: u32 = 5;
+    let fixed = a.runs.map(|r| r.max(1)).or(quick.then_some(2));
+    let budget = a.budget.unwrap_or(Duration::from_secs(15 * 60));
     let out = OutDir::create(a.common.out.as_deref(), "overhead")?;
     let scratch = Scratch::new("overhead")?;
     let sz = Sizes::new(quick);
-    let disk = scratch.filled("disk0.img", sz.disk_bytes)?;
+    // Room for an I/O job of --job-secs (4 KiB requests at ~22 µs on
+    // kvm_pvm: ~0.2 GB/s) without re-reading.
+    let disk_bytes = if quick {
+        sz.disk_bytes
+    } else {
+        sz.disk_bytes.max(768 << 20)
+    };
+    let disk = scratch.filled("disk0.img", disk_bytes)?;
     let timeout = Duration::from_secs(if quick { 60 } else { 600 });
 
-    let cpu_job = Job::work(sz.cpu_units, sz.unit_iters, 1).with_disk(&disk, IoLimits::default());
-    let io_job = Job::blk_read(&disk, IoLimits::default(), sz.io_bytes, sz.io_bs, 4);
+    let mut cpu_job =
+        Job::work(sz.cpu_units, sz.unit_iters, 1).with_disk(&disk, IoLimits::default());
+    let mut io_job = Job::blk_read(&disk, IoLimits::default(), sz.io_bytes, sz.io_bs, 4);
+    // Size the probe jobs to --job-secs of guest time from one run each.
+    let mut sizing = Vec::new();
+    if !quick {
+        let base = runner::new_manager(CpuBackend::None, builtin, &[])?;
+        let cal = runner::run_job(&base, "size-cpu", "default", &cpu_job, timeout)?;
+        let per_unit = cal.guest_s.unwrap_or(cal.wall_s) / sz.cpu_units as f64;
+        let units = ((a.job_secs / per_unit.max(1e-9)).ceil() as u64).clamp(1, 100_000_000);
+        cpu_job = Job::work(units, sz.unit_iters, 1).with_disk(&disk, IoLimits::default());
+        sizing.push(format!("cpu: {units} units of {} rounds", sz.unit_iters));
+        let cal = runner::run_job(&base, "size-io", "default", &io_job, timeout)?;
+        let per_byte = cal.guest_s.unwrap_or(cal.wall_s) / sz.io_bytes as f64;
+        let bytes = ((a.job_secs / per_byte.max(1e-15)) as u64 / sz.io_bs * sz.io_bs)
+            .clamp(sz.io_bs, disk_bytes / sz.io_bs * sz.io_bs);
+        io_job = Job::blk_read(&disk, IoLimits::default(), bytes, sz.io_bs, 4);
+        sizing.push(format!(
+            "io: {} MiB in {} KiB reads",
+            bytes >> 20,
+            sz.io_bs >> 10
+        ));
+        base.shutdown();
+    }
     let mut jobs: Vec<(&'static str, Job)> = match a.job {
         JobKind::Cpu => vec![("cpu", cpu_job)],
         JobKind::Io => vec![("io", io_job.clone())],
@@ -89,7 +135,8 @@ pub fn run(a: OverheadArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String), Be
     // Warm-up: one discarded run of each job on each configuration; a run of
     // the I/O job on A calibrates C's limits (for every job: the Linux job's
     // reads need far less than the probe's read rate).
-    let total = (jobs.len() * configs.len()) as u64 * (u64::from(runs) + 1) + 1;
+    let per_round = (jobs.len() * configs.len()) as u64;
+    let total = per_round * (u64::from(fixed.unwrap_or(MIN_ROUNDS)) + 1) + 1;
     let pb = super::progress(total);
     pb.set_message("calibrating the I/O limits");
     let cal = runner::run_job(&configs[0].mgr, "cal", "default", &io_job, timeout)?;
@@ -122,10 +169,23 @@ pub fn run(a: OverheadArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String), Be
     }
 
     let mut samples = Vec::new();
-    for run in 1..=runs {
+    let started = Instant::now();
+    let mut run = 0;
+    let stop = loop {
+        run += 1;
+        // A B C, then C B A: what a run leaves for the next one (caches,
+        // frequency) falls on each side equally.
+        let order: Vec<&Config> = if run % 2 == 1 {
+            configs.iter().collect()
+        } else {
+            configs.iter().rev().collect()
+        };
+        if run > fixed.unwrap_or(MIN_ROUNDS) {
+            pb.inc_length(per_round);
+        }
         for (jname, job) in &jobs {
-            for c in &configs {
-                pb.set_message(format!("run {run}/{runs}: job {jname}, config {}", c.key));
+            for c in order.iter().copied() {
+                pb.set_message(format!("round {run}: job {jname}, config {}", c.key));
                 let j = if c.limited {
                     job.clone().with_limits(limits)
                 } else {
@@ -150,7 +210,36 @@ pub fn run(a: OverheadArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String), Be
                 pb.inc(1);
             }
         }
-    }
+        if let Some(n) = fixed {
+            if run >= n {
+                break format!("{n} rounds, as asked");
+            }
+            continue;
+        }
+        if run < MIN_ROUNDS {
+            continue;
+        }
+        let widest = jobs
+            .iter()
+            .flat_map(|(j, _)| ["B", "C"].map(|k| ratio(&samples, j, k)))
+            .map(|r| r.map_or(f64::INFINITY, |r| r.half_width_pct()))
+            .fold(0.0, f64::max);
+        if widest <= a.target {
+            break format!(
+                "{run} rounds: every 95 % interval within ±{} % ({:.0} s)",
+                a.target,
+                started.elapsed().as_secs_f64()
+            );
+        }
+        let per = started.elapsed() / run;
+        if started.elapsed() + per > budget {
+            break format!(
+                "{run} rounds: the budget of {:.0} s is spent; the widest 95 % interval is ±{widest:.2} % (wanted ±{} %)",
+                budget.as_secs_f64(),
+                a.target
+            );
+        }
+    };
     pb.finish_and_clear();
     for c in &configs {
         c.mgr.shutdown();
@@ -191,8 +280,8 @@ pub fn run(a: OverheadArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String), Be
     let mut rep = Report::new("corral bench overhead");
     rep.line(&super::host_lines(quick));
     rep.para(&format!(
-        "Method: the same guest job {runs} times per configuration (after one discarded warm-up \
-         run each), configurations interleaved A B C A B C; each configuration is its own \
+        "Method: the same guest job once per configuration per round (after one discarded \
+         warm-up run each), configurations interleaved A B C, then C B A; each configuration is its own \
          manager, created once. **total seconds** = host wall time from `create_vm` to the \
          guest's `PROBE-DONE` line (boot, job, report; `KBUILD-RESULT` for the Linux job); \
          **CPU seconds** = CPU time of the VM's \
@@ -221,6 +310,45 @@ pub fn run(a: OverheadArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String), Be
         Plan::Run(lj) => rep.para(&lj.describe()),
         Plan::Skip(why) => rep.para(&format!("**{why}**")),
     }
+    if !sizing.is_empty() {
+        rep.para(&format!(
+            "Jobs sized to {} guest seconds each: {}.",
+            a.job_secs,
+            sizing.join("; ")
+        ));
+    }
+
+    rep.h2("Verdict");
+    rep.para(&format!(
+        "Stopped after {stop}. Each ratio is over pairs of runs of one round (B or C against \
+         A, back to back), on the guest-measured job time where the guest reports one (the \
+         probe's jobs) and the host wall time otherwise; 95 % t-interval of the log ratios."
+    ));
+    let mut t = Table::new(&["job", "config", "pairs", "vs A", "95 % interval", "verdict"]);
+    for (jname, _) in &jobs {
+        for k in ["B", "C"] {
+            let Some(r) = ratio(&samples, jname, k) else {
+                t.row(vec![
+                    jname.to_string(),
+                    k.into(),
+                    "-".into(),
+                    "-".into(),
+                    "-".into(),
+                    "too few runs".into(),
+                ]);
+                continue;
+            };
+            t.row(vec![
+                jname.to_string(),
+                k.into(),
+                r.n.to_string(),
+                format!("{:+.2}%", r.mean_pct),
+                format!("{:+.2} … {:+.2}%", r.lo_pct, r.hi_pct),
+                r.verdict(&format!("{k} {}", short(k)), a.target),
+            ]);
+        }
+    }
+    rep.table(&t);
 
     let metrics: [(&str, Metric); 4] = [
         (
@@ -379,4 +507,33 @@ fn short(key: &str) -> &'static str {
         "B" => "(scheduler on)",
         _ => "(I/O limits 100x)",
     }
+}
+
+/// The ratio of config `key` to A for `job` over the rounds that ran both:
+/// guest seconds where every sample has them, else host wall seconds.
+fn ratio(samples: &[Sample], job: &str, key: &str) -> Option<RatioCi> {
+    let of = |cfg: &str| -> Vec<&Sample> {
+        samples
+            .iter()
+            .filter(|s| s.job == job && s.config == cfg)
+            .collect()
+    };
+    let (base, cand) = (of("A"), of(key));
+    let guest = base.iter().chain(&cand).all(|s| s.r.guest_s.is_some());
+    let metric = |s: &Sample| {
+        if guest {
+            s.r.guest_s.unwrap_or(s.r.wall_s)
+        } else {
+            s.r.wall_s
+        }
+    };
+    let pairs: Vec<(f64, f64)> = base
+        .iter()
+        .filter_map(|b| {
+            cand.iter()
+                .find(|c| c.run == b.run)
+                .map(|c| (metric(b), metric(c)))
+        })
+        .collect();
+    RatioCi::of(&pairs)
 }

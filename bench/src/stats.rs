@@ -58,6 +58,132 @@ pub fn diff_pct(x: f64, base: f64) -> f64 {
     }
 }
 
+/// The two-sided 95 % quantile of Student's t with `df` degrees of freedom
+/// (exact table up to 30, then the Cornish-Fisher expansion around the
+/// normal quantile, within 0.001 of the exact value from there on).
+pub fn t_975(df: usize) -> f64 {
+    const TABLE: [f64; 30] = [
+        12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160,
+        2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056,
+        2.052, 2.048, 2.045, 2.042,
+    ];
+    match df {
+        0 => f64::INFINITY,
+        1..=30 => TABLE[df - 1],
+        _ => {
+            let z = 1.959_963_984_540_054_f64;
+            let n = df as f64;
+            z + (z.powi(3) + z) / (4.0 * n)
+                + (5.0 * z.powi(5) + 16.0 * z.powi(3) + 3.0 * z) / (96.0 * n * n)
+        }
+    }
+}
+
+/// A ratio measured in pairs (the same job on a base and on a candidate,
+/// run back to back, the order alternating), with its 95 % confidence
+/// interval: a t-interval on the logarithms of the per-pair ratios, so the
+/// interval of `x / base` is not skewed by which side is the divisor. Pairs
+/// cancel the drift of a shared machine (a slower minute slows both runs of
+/// a pair); the alternating order cancels what the first run of a pair
+/// leaves for the second (caches, CPU frequency).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RatioCi {
+    /// Pairs.
+    pub n: usize,
+    /// The geometric mean of the ratios, as a change in percent.
+    pub mean_pct: f64,
+    /// Lower end of the 95 % interval, percent.
+    pub lo_pct: f64,
+    /// Upper end, percent.
+    pub hi_pct: f64,
+}
+
+impl RatioCi {
+    /// From `(base, candidate)` pairs of positive values; `None` with fewer
+    /// than two usable pairs.
+    pub fn of(pairs: &[(f64, f64)]) -> Option<Self> {
+        let logs: Vec<f64> = pairs
+            .iter()
+            .filter(|(b, x)| *b > 0.0 && *x > 0.0 && b.is_finite() && x.is_finite())
+            .map(|(b, x)| (x / b).ln())
+            .collect();
+        let n = logs.len();
+        if n < 2 {
+            return None;
+        }
+        let mean = logs.iter().sum::<f64>() / n as f64;
+        let var = logs.iter().map(|l| (l - mean).powi(2)).sum::<f64>() / (n - 1) as f64;
+        let half = t_975(n - 1) * (var / n as f64).sqrt();
+        let pct = |l: f64| (l.exp() - 1.0) * 100.0;
+        Some(Self {
+            n,
+            mean_pct: pct(mean),
+            lo_pct: pct(mean - half),
+            hi_pct: pct(mean + half),
+        })
+    }
+
+    /// Half the interval's width, percent.
+    pub fn half_width_pct(&self) -> f64 {
+        (self.hi_pct - self.lo_pct) / 2.0
+    }
+
+    /// The verdict in the kernel lists' terms, for "`what` costs ...".
+    pub fn verdict(&self, what: &str, target_pct: f64) -> String {
+        let half = self.half_width_pct();
+        if self.lo_pct > 0.0 {
+            format!("{what} costs {:+.2} % ± {half:.2} %", self.mean_pct)
+        } else if self.hi_pct < 0.0 {
+            format!("{what} is faster: {:+.2} % ± {half:.2} %", self.mean_pct)
+        } else if half <= target_pct {
+            format!(
+                "no overhead detectable at ±{target_pct} % ({what}: {:+.2} %, 95 % interval {:+.2} … {:+.2} %)",
+                self.mean_pct, self.lo_pct, self.hi_pct
+            )
+        } else {
+            format!(
+                "inconclusive: {what} {:+.2} % with a 95 % interval of ±{half:.2} % after {} pairs (wanted ±{target_pct} %)",
+                self.mean_pct, self.n
+            )
+        }
+    }
+}
+
+/// Parses a duration: `90`, `90s`, `15m`, `1h`, `1h30m`.
+pub fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
+    let bad = || format!("bad duration {s:?}: use e.g. 90s, 15m, 1h30m");
+    let s = s.trim();
+    if s.is_empty() {
+        return Err(bad());
+    }
+    if let Ok(secs) = s.parse::<u64>() {
+        return Ok(std::time::Duration::from_secs(secs));
+    }
+    let (mut total, mut num) = (0u64, String::new());
+    for c in s.chars() {
+        if c.is_ascii_digit() {
+            num.push(c);
+            continue;
+        }
+        let mult = match c {
+            's' => 1,
+            'm' => 60,
+            'h' => 3600,
+            _ => return Err(bad()),
+        };
+        let v: u64 = num.parse().map_err(|_| bad())?;
+        total = v
+            .checked_mul(mult)
+            .and_then(|x| total.checked_add(x))
+            .ok_or_else(bad)?;
+        num.clear();
+    }
+    if !num.is_empty() {
+        return Err(bad());
+    }
+    Ok(std::time::Duration::from_secs(total))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -74,5 +200,65 @@ mod tests {
         assert!(Summary::of(&[]).is_none());
         assert_eq!(Summary::of(&[5.0]).unwrap().sdev, 0.0);
         assert!((diff_pct(101.0, 100.0) - 1.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn t_quantiles() {
+        assert!((t_975(1) - 12.706).abs() < 1e-9);
+        assert!((t_975(30) - 2.042).abs() < 1e-9);
+        // Exact values: df 40 -> 2.0211, df 120 -> 1.9799.
+        assert!((t_975(40) - 2.0211).abs() < 1e-3, "{}", t_975(40));
+        assert!((t_975(120) - 1.9799).abs() < 1e-3, "{}", t_975(120));
+        assert!(t_975(0).is_infinite());
+    }
+
+    #[test]
+    fn ratio_interval() {
+        // Ratios of exactly 1.01: the interval is a point at +1 %.
+        let pairs: Vec<(f64, f64)> = (1..=10)
+            .map(|i| (f64::from(i), f64::from(i) * 1.01))
+            .collect();
+        let r = RatioCi::of(&pairs).unwrap();
+        assert_eq!(r.n, 10);
+        assert!((r.mean_pct - 1.0).abs() < 1e-9);
+        assert!(r.half_width_pct() < 1e-9);
+        assert!(
+            r.verdict("B", 0.3).starts_with("B costs +1.00 %"),
+            "{}",
+            r.verdict("B", 0.3)
+        );
+        // Ratios 0.99 and 1.01 alternating: centred on ~0, wide.
+        let pairs: Vec<(f64, f64)> = (0..10)
+            .map(|i| (1.0, if i % 2 == 0 { 0.99 } else { 1.01 }))
+            .collect();
+        let r = RatioCi::of(&pairs).unwrap();
+        assert!(r.lo_pct < 0.0 && r.hi_pct > 0.0);
+        assert!(
+            r.verdict("B", 0.3).starts_with("inconclusive"),
+            "{}",
+            r.verdict("B", 0.3)
+        );
+        assert!(
+            r.verdict("B", 5.0)
+                .starts_with("no overhead detectable at ±5 %")
+        );
+        // Faster.
+        let r = RatioCi::of(&[(1.0, 0.9), (2.0, 1.8), (3.0, 2.71)]).unwrap();
+        assert!(r.verdict("B", 0.3).starts_with("B is faster"));
+        // Too few or unusable pairs.
+        assert!(RatioCi::of(&[(1.0, 1.0)]).is_none());
+        assert!(RatioCi::of(&[(0.0, 1.0), (1.0, f64::NAN), (1.0, 1.0)]).is_none());
+    }
+
+    #[test]
+    fn durations() {
+        use std::time::Duration;
+        assert_eq!(parse_duration("90").unwrap(), Duration::from_secs(90));
+        assert_eq!(parse_duration("15m").unwrap(), Duration::from_secs(900));
+        assert_eq!(parse_duration("1h30m").unwrap(), Duration::from_secs(5400));
+        assert_eq!(parse_duration("45s").unwrap(), Duration::from_secs(45));
+        for bad in ["", "m", "10x", "5m3", "-1"] {
+            assert!(parse_duration(bad).is_err(), "{bad}");
+        }
     }
 }

@@ -87,6 +87,9 @@ fn bench_overhead_quick() {
             "sdev",
             "spread",
             "Linux kernel-compile job",
+            "## Verdict",
+            "Stopped after 2 rounds, as asked",
+            "| job | config | pairs | vs A",
         ],
     );
 }
@@ -122,4 +125,32 @@ fn bench_throttle_quick() {
             "| limits | n   | min",
         ],
     );
+}
+
+#[test]
+fn bench_ab_compares_two_builds_side_by_side() {
+    let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let bin = corral_tests::corral_bin();
+    let b = bin.to_str().unwrap();
+    let o = run_corral(
+        &[
+            "bench", "ab", b, b, "--pairs", "3", "--until", "PROBE-UP", "--", "run",
+        ],
+        Duration::from_secs(120),
+    );
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "corral bench ab failed:\n{out}\n{err}");
+    assert!(out.contains("# corral-bench ab"), "{out}");
+    assert!(out.contains("3 pairs, as asked"), "{out}");
+    assert!(out.contains("new / old: "), "{out}");
+    // A figure the output never carries is an error, not a zero.
+    let o = run_corral(
+        &[
+            "bench", "ab", b, b, "--pairs", "2", "--field", "nope", "--", "run",
+        ],
+        Duration::from_secs(120),
+    );
+    let (out, err) = text(&o);
+    assert!(!o.status.success(), "{out}");
+    assert!(err.contains("no figure in the output"), "{err}");
 }
