@@ -81,10 +81,11 @@ fn run_once(bin: &PathBuf, a: &AbArgs) -> Result<f64, BenchError> {
                 let _ = child.kill();
                 break;
             }
-        } else if let Some(f) = &a.field {
-            if line.contains(a.marker.as_str()) && figure.is_none() {
-                figure = super::runner::field(&line, f).and_then(|v| v.parse::<f64>().ok());
-            }
+        } else if let Some(f) = &a.field
+            && line.contains(a.marker.as_str())
+            && figure.is_none()
+        {
+            figure = super::runner::field(&line, f).and_then(|v| v.parse::<f64>().ok());
         }
     }
     let status = child.wait().map_err(|e| BenchError(format!("wait: {e}")))?;

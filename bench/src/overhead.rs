@@ -279,7 +279,7 @@ pub fn run(a: OverheadArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String), Be
     // Report.
     let mut rep = Report::new("corral bench overhead");
     rep.line(&super::host_lines(quick));
-    rep.para(&format!(
+    rep.para(
         "Method: the same guest job once per configuration per round (after one discarded \
          warm-up run each), configurations interleaved A B C, then C B A; each configuration is its own \
          manager, created once. **total seconds** = host wall time from `create_vm` to the \
@@ -290,8 +290,8 @@ pub fn run(a: OverheadArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String), Be
          (vCPU threads plus the device thread, the gate scheduler's tick thread of B — which \
          ticks during every run, so it is in every configuration's figure — and the harness); \
          **guest seconds** = the job's time as the guest measured it (the probe's `us=`, \
-         the Linux job's `ms=`)."
-    ));
+         the Linux job's `ms=`).",
+    );
     let mut t = Table::new(&["config", "what"]);
     for c in &configs {
         t.row(vec![c.key.into(), c.what.into()]);
