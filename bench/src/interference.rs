@@ -15,11 +15,13 @@ use super::host;
 use super::plot::{self, Panel, Series};
 use super::report::{Csv, OutDir, Report, Table};
 use super::runner::{self, Hog, Job, Scratch, Vm};
-use super::stats::Summary;
+use super::stats::{RatioCi, Summary};
 use super::{BenchError, InterferenceArgs, Sizes};
 
 /// CPU sampling period for the plots.
-const SAMPLE: Duration = Duration::from_millis(250);
+const SAMPLE: Duration = Duration::from_millis(50);
+/// Adaptive rounds: at least this many.
+const MIN_ROUNDS: u32 = 3;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum HogKind {
@@ -107,14 +109,37 @@ struct Cell {
     victim_cpu_s: f64,
     hog_cpu_s: f64,
     hog_restarts: u64,
-    /// (t s, victim % of one CPU, hog % of one CPU).
-    timeline: Vec<(f64, f64, f64)>,
+    timeline: Vec<Point>,
+}
+
+/// One sample of the run: CPU used and entitled per class, in percent of
+/// one host CPU.
+#[derive(Debug, Clone, Copy)]
+struct Point {
+    t: f64,
+    victim: f64,
+    hog: f64,
+    victim_ent: Option<f64>,
+    hog_ent: Option<f64>,
 }
 
 /// Runs it; returns the output directory and the report.
 pub fn run(a: InterferenceArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String), BenchError> {
     let quick = a.common.quick;
-    let rounds = a.runs.unwrap_or(if quick { 1 } else { 3 }).max(1);
+    if !(a.target > 0.0 && a.target.is_finite()) {
+        return Err(BenchError(format!(
+            "--target {} must be a positive percentage",
+            a.target
+        )));
+    }
+    if !(a.victim_secs > 0.0 && a.victim_secs <= 3600.0) {
+        return Err(BenchError(format!(
+            "--victim-secs {} must be in (0, 3600]",
+            a.victim_secs
+        )));
+    }
+    let fixed = a.runs.map(|r| r.max(1)).or(quick.then_some(1));
+    let budget = a.budget.unwrap_or(Duration::from_secs(40 * 60));
     let out = OutDir::create(a.common.out.as_deref(), "interference")?;
     let scratch = Scratch::new("interference")?;
     let sz = Sizes::new(quick);
@@ -122,7 +147,10 @@ pub fn run(a: InterferenceArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String)
     // victim on any host (and the scheduler's capacity is those two).
     let host_cpus = host::host_cpus();
     let ncpu = host::limit_cpus(2);
-    let victim_disk = scratch.filled("victim.img", sz.disk_bytes)?;
+    // The victim reads a sparse file (holes read as zeros: no storage in
+    // the way, and room for a job of --victim-secs at any speed).
+    let victim_bytes: u64 = if quick { sz.disk_bytes } else { 16 << 30 };
+    let victim_disk = scratch.sparse("victim.img", victim_bytes)?;
     let hog_disk = scratch.filled("hog.img", sz.disk_bytes)?;
     let timeout = Duration::from_secs(if quick { 60 } else { 900 });
     let warmup = Duration::from_millis(if quick { 200 } else { 500 });
@@ -131,15 +159,37 @@ pub fn run(a: InterferenceArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String)
     let gate = runner::new_manager(CpuBackend::Gate, builtin, &classes)?;
     let off = runner::new_manager(CpuBackend::None, builtin, &classes)?;
 
-    let jobs: [(&'static str, Job); 2] = [
+    let mut jobs: [(&'static str, Job); 2] = [
         ("cpu", Job::work(sz.cpu_units * 2, sz.unit_iters, ncpu)),
         (
             "io",
             Job::blk_read(&victim_disk, IoLimits::default(), sz.io_bytes, sz.io_bs, 4),
         ),
     ];
+    // Size the victim's jobs to --victim-secs alone (the seeds' make took
+    // 13 s alone; a job of a fraction of a second gives a handful of CPU
+    // samples and swings with every hiccup of the host).
+    let mut sizing = String::new();
+    if !quick {
+        let cal = runner::run_job(&gate, "size-cpu", "victim", &jobs[0].1, timeout)?;
+        let per_unit = cal.wall_s / (sz.cpu_units * 2) as f64;
+        let units = ((a.victim_secs / per_unit.max(1e-9)).ceil() as u64).clamp(1, 100_000_000);
+        jobs[0].1 = Job::work(units, sz.unit_iters, ncpu);
+        let cal = runner::run_job(&gate, "size-io", "victim", &jobs[1].1, timeout)?;
+        let per_byte = cal.wall_s / sz.io_bytes as f64;
+        let bytes = ((a.victim_secs / per_byte.max(1e-15)) as u64 / sz.io_bs * sz.io_bs)
+            .clamp(sz.io_bs, victim_bytes / sz.io_bs * sz.io_bs);
+        jobs[1].1 = Job::blk_read(&victim_disk, IoLimits::default(), bytes, sz.io_bs, 4);
+        sizing = format!(
+            "Victim jobs sized to about {} s alone from one calibration run each: cpu {units} \
+             units, io {} MiB. ",
+            a.victim_secs,
+            bytes >> 20
+        );
+    }
 
-    let steps = 1 + u64::from(rounds) * (jobs.len() * SCENARIOS.len()) as u64;
+    let per_round = (jobs.len() * SCENARIOS.len()) as u64;
+    let steps = 1 + u64::from(fixed.unwrap_or(MIN_ROUNDS)) * per_round;
     let pb = super::progress(steps);
     // Calibration: the I/O job alone gives the hog's limit (a quarter of
     // the rate the job reaches alone).
@@ -156,13 +206,23 @@ pub fn run(a: InterferenceArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String)
     let io_hog = |limits| Job::blk_read(&hog_disk, limits, sz.disk_bytes, sz.io_bs, 4);
 
     let mut cells = Vec::new();
-    for round in 1..=rounds {
+    let started = Instant::now();
+    let mut round = 0;
+    let stop = loop {
+        round += 1;
+        if round > fixed.unwrap_or(MIN_ROUNDS) {
+            pb.inc_length(per_round);
+        }
+        // Scenarios in order, then in reverse: a slow stretch of the host
+        // falls on every scenario alike.
+        let order: Vec<Scenario> = if round % 2 == 1 {
+            SCENARIOS.to_vec()
+        } else {
+            SCENARIOS.iter().rev().copied().collect()
+        };
         for (jname, job) in &jobs {
-            for scn in SCENARIOS {
-                pb.set_message(format!(
-                    "round {round}/{rounds}: victim {jname}, {}",
-                    scn.key
-                ));
+            for scn in order.iter().copied() {
+                pb.set_message(format!("round {round}: victim {jname}, {}", scn.key));
                 let mgr = if scn.gate { &gate } else { &off };
                 set_shares(mgr, scn.victim_shares)?;
                 let hog = match scn.hog {
@@ -206,7 +266,41 @@ pub fn run(a: InterferenceArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String)
                 pb.inc(1);
             }
         }
-    }
+        if let Some(n) = fixed {
+            if round >= n {
+                break format!("{n} round(s), as asked");
+            }
+            continue;
+        }
+        if round < MIN_ROUNDS {
+            continue;
+        }
+        let widest = jobs
+            .iter()
+            .flat_map(|(j, _)| {
+                SCENARIOS
+                    .iter()
+                    .filter(|s| s.key != "alone")
+                    .map(|s| slowdown(&cells, j, s.key))
+            })
+            .map(|r| r.map_or(f64::INFINITY, |r| r.half_width_pct()))
+            .fold(0.0, f64::max);
+        if widest <= a.target {
+            break format!(
+                "{round} rounds: every slowdown's 95 % interval within ±{} % ({:.0} s)",
+                a.target,
+                started.elapsed().as_secs_f64()
+            );
+        }
+        if started.elapsed() + started.elapsed() / round > budget {
+            break format!(
+                "{round} rounds: the budget of {:.0} s is spent; the widest 95 % interval is ±{widest:.1} % (wanted ±{} %)",
+                budget.as_secs_f64(),
+                a.target
+            );
+        }
+    };
+    let rounds = round;
     set_shares(&gate, 1)?;
     pb.finish_and_clear();
     gate.shutdown();
@@ -230,6 +324,8 @@ pub fn run(a: InterferenceArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String)
         "t_s",
         "victim_cpu_pct",
         "hog_cpu_pct",
+        "victim_entitlement_pct",
+        "hog_entitlement_pct",
     ]);
     for c in &cells {
         csv.push(vec![
@@ -242,14 +338,17 @@ pub fn run(a: InterferenceArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String)
             format!("{:.6}", c.hog_cpu_s),
             c.hog_restarts.to_string(),
         ]);
-        for (t, v, h) in &c.timeline {
+        for p in &c.timeline {
+            let opt = |v: Option<f64>| v.map(|v| format!("{v:.1}")).unwrap_or_default();
             tl.push(vec![
                 c.round.to_string(),
                 c.job.into(),
                 c.scn.key.into(),
-                format!("{t:.3}"),
-                format!("{v:.1}"),
-                format!("{h:.1}"),
+                format!("{:.3}", p.t),
+                format!("{:.1}", p.victim),
+                format!("{:.1}", p.hog),
+                opt(p.victim_ent),
+                opt(p.hog_ent),
             ]);
         }
     }
@@ -260,8 +359,8 @@ pub fn run(a: InterferenceArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String)
     let mut rep = Report::new("corral bench interference");
     rep.line(&super::host_lines(quick));
     rep.para(&format!(
-        "Method: {rounds} round(s); each round runs every victim job in every scenario, in the \
-         order listed. The victim and the hog are in classes `victim` and `hog` of one manager \
+        "Method: {rounds} round(s) ({stop}); each round runs every victim job in every scenario, \
+         in the order listed, then in reverse in the next round. {sizing} The victim and the hog are in classes `victim` and `hog` of one manager \
          (gate CPU backend), or of a manager with CPU backend none for the `-off` rows, all on \
          {ncpu} of the host's {host_cpus} CPUs (CPU affinity), so the hog contends with the \
          victim on any host. The hog \
@@ -270,8 +369,9 @@ pub fn run(a: InterferenceArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String)
          4 KiB requests, 4 in flight, restarted whenever it finishes (`{}`); its limit in the \
          last scenario is iops={} (a quarter of the {:.0} IOPS the I/O job reached alone). \
          **total seconds** = host wall time from creating the victim to its `PROBE-DONE`; \
-         **slowdown** = avg total seconds / avg total seconds alone. CPU figures are percent \
-         of one host CPU, from the vCPU threads' CPU clocks.",
+         **slowdown** = the geometric mean over rounds of total seconds / total seconds alone \
+         in the same round, with its 95 % t-interval. CPU figures are percent of one host \
+         CPU, from the vCPU threads' CPU clocks, sampled every 50 ms.",
         warmup.as_millis(),
         cpu_hog.cmdline,
         sz.disk_bytes >> 20,
@@ -300,6 +400,7 @@ pub fn run(a: InterferenceArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String)
         "sdev",
         "spread",
         "slowdown",
+        "95 % interval",
         "guest s avg",
         "victim CPU %",
         "hog CPU %",
@@ -330,9 +431,21 @@ pub fn run(a: InterferenceArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String)
                 format!("{:.3}", s.max),
                 format!("{:.3}", s.sdev),
                 format!("{:.1}%", s.spread() * 100.0),
-                match &alone {
-                    Some(al) if scn.key != "alone" => format!("{:.2}x", s.avg / al.avg),
+                match (&alone, slowdown(&cells, jname, scn.key)) {
+                    (_, Some(r)) if scn.key != "alone" => {
+                        format!("{:.3}x", 1.0 + r.mean_pct / 100.0)
+                    }
+                    (Some(al), None) if scn.key != "alone" => format!("{:.2}x", s.avg / al.avg),
                     _ => "1.00x (base)".into(),
+                },
+                match slowdown(&cells, jname, scn.key) {
+                    Some(r) if scn.key != "alone" => format!(
+                        "{:.3}x … {:.3}x (±{:.1} %)",
+                        1.0 + r.lo_pct / 100.0,
+                        1.0 + r.hi_pct / 100.0,
+                        r.half_width_pct()
+                    ),
+                    _ => "-".into(),
                 },
                 Summary::of(&guest).map_or("-".into(), |g| format!("{:.3}", g.avg)),
                 format!("{:.0}", vcpu / wall * 100.0),
@@ -359,15 +472,21 @@ pub fn run(a: InterferenceArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String)
             .iter()
             .filter(|c| c.round == 1 && c.job == *jname)
             .map(|c| {
-                let mut series = vec![Series::line(
-                    "victim",
-                    c.timeline.iter().map(|&(t, v, _)| (t, v)).collect(),
-                )];
+                let pts = |f: fn(&Point) -> Option<f64>| -> Vec<(f64, f64)> {
+                    c.timeline
+                        .iter()
+                        .filter_map(|p| f(p).map(|v| (p.t, v)))
+                        .collect()
+                };
+                let mut series = vec![Series::line("victim used", pts(|p| Some(p.victim)))];
+                if c.scn.gate {
+                    series.push(Series::line("victim entitled", pts(|p| p.victim_ent)));
+                }
                 if c.scn.hog != HogKind::None {
-                    series.push(Series::line(
-                        "hog",
-                        c.timeline.iter().map(|&(t, _, h)| (t, h)).collect(),
-                    ));
+                    series.push(Series::line("hog used", pts(|p| Some(p.hog))));
+                    if c.scn.gate {
+                        series.push(Series::line("hog entitled", pts(|p| p.hog_ent)));
+                    }
                 }
                 Panel::new(
                     c.scn.what,
@@ -380,14 +499,16 @@ pub fn run(a: InterferenceArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String)
         let file = format!("interference-{jname}.png");
         plot::draw(
             &out.join(&file),
-            &format!("corral bench interference: victim job {jname}, CPU use every 250 ms"),
+            &format!(
+                "corral bench interference: victim job {jname}, CPU used and entitled per class, every 50 ms"
+            ),
             &panels,
             4,
         )?;
         rep.para(&format!("![victim {jname}]({file})"));
     }
     rep.para(
-        "Raw samples: `samples.csv` (one row per victim run), `timeline.csv` (CPU every 250 ms).",
+        "Raw samples: `samples.csv` (one row per victim run), `timeline.csv` (CPU used and entitled every 50 ms).",
     );
     out.write("report.md", rep.text().as_bytes())?;
     Ok((out.path.clone(), rep.text().to_string()))
@@ -399,7 +520,28 @@ fn set_shares(mgr: &Manager, victim: u32) -> Result<(), BenchError> {
     Ok(())
 }
 
-type Measured = (f64, Option<f64>, f64, f64, Vec<(f64, f64, f64)>);
+type Measured = (f64, Option<f64>, f64, f64, Vec<Point>);
+
+/// The slowdown of scenario `key` for victim `job`: per round, its total
+/// seconds over the same round's run alone.
+fn slowdown(cells: &[Cell], job: &str, key: &str) -> Option<RatioCi> {
+    let pairs: Vec<(f64, f64)> = cells
+        .iter()
+        .filter(|c| c.job == job && c.scn.key == "alone")
+        .filter_map(|al| {
+            cells
+                .iter()
+                .find(|c| c.job == job && c.scn.key == key && c.round == al.round)
+                .map(|c| (al.total_s, c.total_s))
+        })
+        .collect();
+    RatioCi::of(&pairs)
+}
+
+/// The scheduler's entitlement of a class now, percent of one CPU.
+fn entitlement(mgr: &Manager, class: &str) -> Option<f64> {
+    mgr.get_class(class).ok().and_then(|c| c.entitlement_pct)
+}
 
 /// Runs the victim to completion, sampling its and the hog's CPU time.
 fn measure(
@@ -428,7 +570,7 @@ fn measure(
         let v = vm.cpu_ns();
         let now = Instant::now();
         if now >= next {
-            s.add(now, v, hog_cpu());
+            s.add(now, v, hog_cpu(), mgr);
             next += SAMPLE;
         }
         if done {
@@ -445,7 +587,7 @@ fn measure(
     vm.wait_stopped(Duration::from_secs(5));
     vm.pump(Duration::ZERO);
     let v_end = vm.cpu_ns();
-    s.add(end.max(s.last.0), v_end, h_end);
+    s.add(end.max(s.last.0), v_end, h_end, mgr);
     let timeline = s.timeline;
     vm.check_ok()?;
     let guest_s = vm
@@ -467,19 +609,21 @@ struct Sampler {
     t0: Instant,
     /// (time, victim ns, hog ns) of the last reading.
     last: (Instant, u64, u64),
-    timeline: Vec<(f64, f64, f64)>,
+    timeline: Vec<Point>,
 }
 
 impl Sampler {
-    fn add(&mut self, now: Instant, v: u64, h: u64) {
+    fn add(&mut self, now: Instant, v: u64, h: u64, mgr: &Manager) {
         let (lt, lv, lh) = self.last;
         let dt = (now - lt).as_secs_f64();
-        if dt > 0.1 {
-            self.timeline.push((
-                (now - self.t0).as_secs_f64(),
-                v.saturating_sub(lv) as f64 / 1e9 / dt * 100.0,
-                h.saturating_sub(lh) as f64 / 1e9 / dt * 100.0,
-            ));
+        if dt > 0.02 {
+            self.timeline.push(Point {
+                t: (now - self.t0).as_secs_f64(),
+                victim: v.saturating_sub(lv) as f64 / 1e9 / dt * 100.0,
+                hog: h.saturating_sub(lh) as f64 / 1e9 / dt * 100.0,
+                victim_ent: entitlement(mgr, "victim"),
+                hog_ent: entitlement(mgr, "hog"),
+            });
             self.last = (now, v, h);
         }
     }

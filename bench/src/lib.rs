@@ -141,9 +141,20 @@ pub struct OverheadArgs {
 pub struct InterferenceArgs {
     #[command(flatten)]
     common: CommonArgs,
-    /// Rounds over all scenarios (default 3; 1 with --quick).
+    /// Rounds over all scenarios: a fixed number. Without it, rounds go on
+    /// (at least 3) until every slowdown's 95 % interval is within --target,
+    /// or until --budget is spent (1 round with --quick).
     #[arg(long)]
     runs: Option<u32>,
+    /// The slowdowns' 95 % interval half-width to reach, in percent.
+    #[arg(long, default_value_t = 5.0)]
+    target: f64,
+    /// Time budget for the rounds (default 40m).
+    #[arg(long, value_parser = stats::parse_duration)]
+    budget: Option<std::time::Duration>,
+    /// Seconds the victim's job takes alone (sized from a calibration run).
+    #[arg(long, default_value_t = 10.0)]
+    victim_secs: f64,
 }
 
 /// `corral bench throttle`.

@@ -108,6 +108,8 @@ fn bench_interference_quick() {
             "I/O hog, equal classes",
             "I/O hog, shares 3:1 for the victim, I/O limit on the hog",
             "slowdown",
+            "95 % interval",
+            "1 round(s), as asked",
         ],
     );
 }
