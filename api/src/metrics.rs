@@ -1,317 +1,320 @@
-//! `/metrics`: the manager's figures in the OpenMetrics/Prometheus text
-//! format, through `prometheus-client` (a fresh registry per scrape, filled
-//! from one snapshot, so every value of a scrape is consistent).
+//! `/metrics`: the manager's figures through `prometheus-client`, in the
+//! Prometheus text format 0.0.4 or, by `Accept` negotiation, OpenMetrics
+//! 1.0 (see [`expo`]). A fresh registry per scrape, filled from one
+//! snapshot, so every value of a scrape is consistent; series sorted by
+//! labels, so scrapes list them in the same order.
+//!
+//! Units are base units in the name: seconds, bytes, and CPU amounts as
+//! `_ratio` of one host CPU (1 = one CPU, 1.5 = one and a half; the API's
+//! percent figures divided by 100). Counts are integer counters.
 
-use std::sync::atomic::AtomicU64;
-use std::sync::{Arc, Mutex};
+pub mod expo;
+pub mod http;
+pub mod process;
 
-use corral_vmm::manager::{Manager, VmState};
-use prometheus_client::encoding::text::encode;
-use prometheus_client::encoding::{EncodeMetric, MetricEncoder, NoLabelSet};
-use prometheus_client::metrics::counter::Counter;
-use prometheus_client::metrics::family::Family;
-use prometheus_client::metrics::gauge::Gauge;
-use prometheus_client::metrics::{MetricType, TypedMetric};
-use prometheus_client::registry::Registry;
+use corral_vmm::manager::{CpuBackend, IoLimits, Manager, VmState};
 
-type Labels = Vec<(&'static str, String)>;
-type CounterF = Family<Labels, Counter<f64, AtomicU64>>;
-type GaugeF = Family<Labels, Gauge<f64, AtomicU64>>;
+use expo::{Format, Gauges, Hists, Labels, Reg, l, with};
 
-/// A histogram whose buckets come from a snapshot (the throttle's own
-/// histogram), encoded as is.
-#[derive(Debug, Clone, Default)]
-struct ConstHistogram(Arc<Mutex<HistSnapshot>>);
+/// Both limit families of one set of I/O limits: rates by op
+/// (`all` = the combined limit), and the burst sizes.
+struct LimitFams {
+    bytes: Gauges,
+    ops: Gauges,
+    burst_bytes: Gauges,
+    burst_ops: Gauges,
+}
 
-/// (sum, count, per-bucket (upper bound, count)).
-type HistSnapshot = (f64, u64, Vec<(f64, u64)>);
+impl LimitFams {
+    fn new(r: &mut Reg, prefix: &str, what: &str) -> Self {
+        Self {
+            bytes: r.gauges(
+                &format!("{prefix}_limit_bytes_per_second"),
+                &format!("{what} byte rate limit, by op (all = reads and writes together)"),
+            ),
+            ops: r.gauges(
+                &format!("{prefix}_limit_ops_per_second"),
+                &format!("{what} request rate limit, by op (all = reads and writes together)"),
+            ),
+            burst_bytes: r.gauges(
+                &format!("{prefix}_limit_burst_bytes"),
+                &format!("{what} byte bucket size (burst)"),
+            ),
+            burst_ops: r.gauges(
+                &format!("{prefix}_limit_burst_ops"),
+                &format!("{what} request bucket size (burst)"),
+            ),
+        }
+    }
 
-impl ConstHistogram {
-    fn set(&self, sum: f64, count: u64, buckets: Vec<(f64, u64)>) {
-        *self.0.lock().unwrap_or_else(|p| p.into_inner()) = (sum, count, buckets);
+    fn set(&self, base: &Labels, lim: &IoLimits) {
+        for (fam, op, v) in [
+            (&self.bytes, "all", lim.bps),
+            (&self.bytes, "read", lim.rbps),
+            (&self.bytes, "write", lim.wbps),
+            (&self.ops, "all", lim.iops),
+            (&self.ops, "read", lim.riops),
+            (&self.ops, "write", lim.wiops),
+        ] {
+            if let Some(v) = v {
+                fam.set(with(base, "op", op), v as f64);
+            }
+        }
+        if let Some(v) = lim.burst_bytes {
+            self.burst_bytes.set(base.clone(), v as f64);
+        }
+        if let Some(v) = lim.burst_ops {
+            self.burst_ops.set(base.clone(), v as f64);
+        }
     }
 }
 
-impl TypedMetric for ConstHistogram {
-    const TYPE: MetricType = MetricType::Histogram;
+/// The I/O counter families of a disk or a group.
+struct IoFams {
+    ops: expo::Counts,
+    bytes: expo::Counts,
+    throttled: expo::Counts,
+    throttled_secs: expo::Amounts,
+    queue: expo::Ints,
+    latency: Hists,
 }
 
-impl EncodeMetric for ConstHistogram {
-    fn encode(&self, mut encoder: MetricEncoder) -> Result<(), std::fmt::Error> {
-        let g = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        encoder.encode_histogram::<NoLabelSet>(g.0, g.1, &g.2, None)
+impl IoFams {
+    fn new(r: &mut Reg, prefix: &str, what: &str) -> Self {
+        Self {
+            ops: r.counts(
+                &format!("{prefix}_ops"),
+                &format!("Requests admitted by the {what}, by op"),
+            ),
+            bytes: r.counts(
+                &format!("{prefix}_bytes"),
+                &format!("Bytes admitted by the {what}, by op"),
+            ),
+            throttled: r.counts(
+                &format!("{prefix}_throttled_requests"),
+                &format!("Requests that waited for the {what}'s tokens"),
+            ),
+            throttled_secs: r.amounts(
+                &format!("{prefix}_throttled_seconds"),
+                &format!("Time requests spent waiting for the {what}'s tokens"),
+            ),
+            queue: r.ints(
+                &format!("{prefix}_queue_depth"),
+                &format!("Requests queued in the {what}'s throttle"),
+            ),
+            latency: r.hists(
+                &format!("{prefix}_request_duration_seconds"),
+                &format!("Request latency in the {what}, by op"),
+            ),
+        }
     }
 
-    fn metric_type(&self) -> MetricType {
-        MetricType::Histogram
+    fn set(&self, base: &Labels, s: &corral_blkthrottle::Stats) {
+        for (op, o) in [("read", &s.read), ("write", &s.write), ("other", &s.other)] {
+            let lb = with(base, "op", op);
+            self.ops.set(lb.clone(), o.ops);
+            self.bytes.set(lb.clone(), o.bytes);
+            if o.latency.count() > 0 {
+                self.latency.put(
+                    lb,
+                    expo::ConstHistogram::new(
+                        o.latency.sum_seconds(),
+                        o.latency.count(),
+                        o.latency.buckets(),
+                    ),
+                );
+            }
+        }
+        self.throttled.set(base.clone(), s.throttled_requests);
+        self.throttled_secs.set(base.clone(), s.throttled_seconds());
+        self.queue.set(base.clone(), s.queue_depth);
     }
 }
 
-struct Reg(Registry);
-
-impl Reg {
-    fn counter(&mut self, name: &str, help: &str) -> CounterF {
-        let f = CounterF::default();
-        self.0.register(name, help, f.clone());
-        f
-    }
-
-    fn plain_gauge(&mut self, name: &str, help: &str, v: f64) {
-        let g = Gauge::<f64, AtomicU64>::default();
-        g.set(v);
-        self.0.register(name, help, g);
-    }
-
-    fn plain_counter(&mut self, name: &str, help: &str, v: f64) {
-        let c = Counter::<f64, AtomicU64>::default();
-        c.inc_by(v);
-        self.0.register(name, help, c);
-    }
-
-    fn gauge(&mut self, name: &str, help: &str) -> GaugeF {
-        let f = GaugeF::default();
-        self.0.register(name, help, f.clone());
-        f
+fn backend_name(b: CpuBackend) -> &'static str {
+    match b {
+        CpuBackend::Gate => "gate",
+        CpuBackend::Cgroup => "cgroup",
+        CpuBackend::None => "none",
     }
 }
 
-fn l(pairs: &[(&'static str, &str)]) -> Labels {
-    pairs.iter().map(|(k, v)| (*k, v.to_string())).collect()
+/// CPU percent of one host CPU as a ratio.
+fn ratio(pct: f64) -> f64 {
+    pct / 100.0
 }
 
-/// Renders all metrics.
-pub fn render(m: &Manager) -> String {
+/// Renders all metrics in `format`.
+pub fn render(m: &Manager, format: Format) -> String {
     let host = m.host();
     let vms = m.list_vms();
     let classes = m.list_classes();
-    let mut r = Reg(Registry::default());
+    let mut r = Reg::default();
 
-    // Host.
-    r.plain_gauge(
-        "corral_capacity_percent",
-        "CPU capacity the daemon hands out, percent of one host CPU",
-        host.capacity_pct as f64,
+    // Daemon and host.
+    r.ints(
+        "corral_build_info",
+        "Always 1; the labels tell the corral version, build profile and CPU backend",
+    )
+    .set(
+        l(&[
+            ("version", env!("CARGO_PKG_VERSION")),
+            (
+                "profile",
+                if cfg!(debug_assertions) {
+                    "debug"
+                } else {
+                    "release"
+                },
+            ),
+            ("cpu_backend", backend_name(m.cpu_backend())),
+        ]),
+        1,
     );
-    r.plain_gauge(
-        "corral_reserved_percent",
-        "Sum of class CPU reservations, percent of one host CPU",
-        host.reserved_pct as f64,
+    process::register(&mut r);
+    http::register(&mut r);
+    r.gauge(
+        "corral_cpu_capacity_ratio",
+        "CPU capacity the daemon hands out, in host CPUs (1 = one CPU)",
+        ratio(host.capacity_pct as f64),
     );
-    let vm_count = r.gauge("corral_vms", "VMs hosted, by state");
+    r.gauge(
+        "corral_cpu_reserved_ratio",
+        "Sum of the classes' CPU reservations, in host CPUs",
+        ratio(host.reserved_pct as f64),
+    );
+    let vm_count = r.ints("corral_vms", "VMs hosted, by state");
     for st in ["running", "paused", "shutdown", "stopped", "failed"] {
         let n = vms.iter().filter(|v| v.state.as_str() == st).count();
-        vm_count.get_or_create(&l(&[("state", st)])).set(n as f64);
+        vm_count.set(l(&[("state", st)]), n as u64);
     }
-    r.plain_counter(
+    r.int(
+        "corral_vms_max",
+        "Most VMs the daemon admits",
+        host.max_vms as u64,
+    );
+    r.count(
         "corral_scheduler_ticks",
         "Scheduler ticks run (0 while no scheduler thread runs)",
-        host.sched_ticks as f64,
+        host.sched_ticks,
     );
-    r.plain_gauge(
+    r.int(
         "corral_guest_memory_bytes",
         "Guest memory of all hosted VMs",
-        (host.memory_mib << 20) as f64,
+        host.memory_mib << 20,
+    );
+    r.int(
+        "corral_guest_memory_budget_bytes",
+        "Guest memory the daemon admits in all",
+        host.memory_budget_mib << 20,
     );
 
     // VMs.
-    let cpu = r.counter("corral_vm_cpu_seconds", "CPU time of the VM's vCPU threads");
-    let up = r.gauge("corral_vm_up", "1 while the VM's vCPUs run, else 0");
-    let vcpus = r.gauge("corral_vm_vcpus", "vCPUs of the VM");
-    let memory = r.gauge("corral_vm_memory_bytes", "Guest memory of the VM");
-    let uptime = r.gauge("corral_vm_uptime_seconds", "Time since the VM started");
-    let exits = r.counter("corral_vm_exits", "vCPU exits to the VMM, by reason");
-    let ent = r.gauge(
-        "corral_vm_cpu_entitlement_percent",
-        "CPU the scheduler entitles the VM to, percent of one host CPU",
+    let cpu = r.amounts("corral_vm_cpu_seconds", "CPU time of the VM's vCPU threads");
+    let up = r.ints("corral_vm_up", "1 while the VM's vCPUs run, else 0");
+    let vcpus = r.ints("corral_vm_vcpus", "vCPUs of the VM");
+    let memory = r.ints("corral_vm_memory_bytes", "Guest memory of the VM");
+    let uptime = r.gauges("corral_vm_uptime_seconds", "Time since the VM started");
+    let exits = r.counts("corral_vm_exits", "vCPU exits to the VMM, by reason");
+    let ent = r.gauges(
+        "corral_vm_cpu_entitlement_ratio",
+        "CPU the scheduler entitles the VM to, in host CPUs",
     );
-    let used = r.gauge(
-        "corral_vm_cpu_used_percent",
-        "CPU the VM used over the last accounting period, percent of one host CPU",
+    let used = r.gauges(
+        "corral_vm_cpu_used_ratio",
+        "CPU the VM used over the last accounting period, in host CPUs",
     );
-    let parked = r.counter(
+    let parked = r.amounts(
         "corral_vm_parked_seconds",
         "Time the scheduler held the VM's vCPUs off the CPU",
     );
-    let parks = r.counter("corral_vm_parks", "Times the scheduler parked the VM");
+    let parks = r.counts("corral_vm_parks", "Times the scheduler parked the VM");
     for v in &vms {
         let base = l(&[("vm", &v.name), ("class", &v.class)]);
-        cpu.get_or_create(&base).inc_by(v.cpu_secs);
-        up.get_or_create(&base)
-            .set(f64::from(u8::from(v.state == VmState::Running)));
-        vcpus.get_or_create(&base).set(f64::from(v.vcpus));
-        memory.get_or_create(&base).set((v.memory_mib << 20) as f64);
+        cpu.set(base.clone(), v.cpu_secs);
+        up.set(base.clone(), u64::from(v.state == VmState::Running));
+        vcpus.set(base.clone(), u64::from(v.vcpus));
+        memory.set(base.clone(), v.memory_mib << 20);
         if let Some(u) = v.uptime {
-            uptime.get_or_create(&base).set(u.as_secs_f64());
+            uptime.set(base.clone(), u.as_secs_f64());
         }
         for (reason, n) in &v.exits {
-            let mut lbl = base.clone();
-            lbl.push(("reason", reason.to_string()));
-            exits.get_or_create(&lbl).inc_by(*n as f64);
+            exits.set(with(&base, "reason", reason), *n);
         }
         if let Some(s) = &v.sched {
-            ent.get_or_create(&base).set(s.entitlement_pct);
-            used.get_or_create(&base).set(s.used_pct);
-            parked.get_or_create(&base).inc_by(s.parked_secs);
-            parks.get_or_create(&base).inc_by(s.park_count as f64);
+            ent.set(base.clone(), ratio(s.entitlement_pct));
+            used.set(base.clone(), ratio(s.used_pct));
+            parked.set(base.clone(), s.parked_secs);
+            parks.set(base.clone(), s.park_count);
         }
     }
 
     // Classes.
-    let ccpu = r.counter(
+    let ccpu = r.amounts(
         "corral_class_cpu_seconds",
-        "CPU time of the vCPU threads of the class's current VMs",
+        "CPU time of the class's current VMs (drops when a VM leaves the class)",
     );
-    let shares = r.gauge("corral_class_shares", "CPU shares of the class");
-    let cap = r.gauge(
-        "corral_class_cap_percent",
-        "CPU cap of the class, percent of one host CPU (absent: no cap)",
+    let shares = r.ints("corral_class_shares", "CPU shares of the class");
+    let cap = r.gauges(
+        "corral_class_cpu_cap_ratio",
+        "CPU cap of the class, in host CPUs (absent: no cap)",
     );
-    let resv = r.gauge(
-        "corral_class_reservation_percent",
-        "CPU reservation of the class, percent of one host CPU",
+    let resv = r.gauges(
+        "corral_class_cpu_reservation_ratio",
+        "CPU reservation of the class, in host CPUs",
     );
-    let cvms = r.gauge("corral_class_vms", "VMs in the class");
-    let cent = r.gauge(
-        "corral_class_cpu_entitlement_percent",
-        "CPU the scheduler entitles the class to, percent of one host CPU",
+    let cvms = r.ints("corral_class_vms", "VMs in the class");
+    let cent = r.gauges(
+        "corral_class_cpu_entitlement_ratio",
+        "CPU the scheduler entitles the class to, in host CPUs",
     );
-    let cused = r.gauge(
-        "corral_class_cpu_used_percent",
-        "CPU the class used over the last accounting period, percent of one host CPU",
+    let cused = r.gauges(
+        "corral_class_cpu_used_ratio",
+        "CPU the class used over the last accounting period, in host CPUs",
     );
+    let climits = LimitFams::new(&mut r, "corral_class_io", "Class I/O group");
     for c in &classes {
         let base = l(&[("class", &c.name)]);
-        ccpu.get_or_create(&base).inc_by(c.cpu_secs);
-        shares
-            .get_or_create(&base)
-            .set(f64::from(c.config.cpu.shares));
+        ccpu.set(base.clone(), c.cpu_secs);
+        shares.set(base.clone(), u64::from(c.config.cpu.shares));
         if let Some(v) = c.config.cpu.cap {
-            cap.get_or_create(&base).set(f64::from(v));
+            cap.set(base.clone(), ratio(f64::from(v)));
         }
-        resv.get_or_create(&base)
-            .set(f64::from(c.config.cpu.reservation.unwrap_or(0)));
-        cvms.get_or_create(&base).set(c.vms.len() as f64);
+        resv.set(
+            base.clone(),
+            ratio(f64::from(c.config.cpu.reservation.unwrap_or(0))),
+        );
+        cvms.set(base.clone(), c.vms.len() as u64);
         if let Some(e) = c.entitlement_pct {
-            cent.get_or_create(&base).set(e);
+            cent.set(base.clone(), ratio(e));
         }
         if let Some(u) = c.used_pct {
-            cused.get_or_create(&base).set(u);
+            cused.set(base.clone(), ratio(u));
         }
+        climits.set(&base, &c.config.io);
     }
+
     // Disks.
-    let dops = r.counter("corral_disk_ops", "Disk requests admitted, by op");
-    let dbytes = r.counter("corral_disk_bytes", "Disk bytes admitted, by op");
-    let dthr = r.counter(
-        "corral_disk_throttled_requests",
-        "Disk requests that waited for tokens",
-    );
-    let dthrs = r.counter(
-        "corral_disk_throttled_seconds",
-        "Time disk requests spent waiting for tokens",
-    );
-    let dq = r.gauge(
-        "corral_disk_queue_depth",
-        "Disk requests queued in the throttle",
-    );
-    let dlim = r.gauge(
-        "corral_disk_limit",
-        "Configured disk limit, by kind (bps, iops, rbps, wbps, riops, wiops)",
-    );
-    let dlat = Family::<Labels, ConstHistogram>::default();
-    r.0.register(
-        "corral_disk_request_duration_seconds",
-        "Disk request latency, by op",
-        dlat.clone(),
-    );
+    let dio = IoFams::new(&mut r, "corral_disk", "disk");
+    let dlimits = LimitFams::new(&mut r, "corral_disk", "Disk");
+    let dsize = r.ints("corral_disk_capacity_bytes", "Size of the disk");
     for v in &vms {
         for d in &v.disks {
             let base = l(&[("vm", &v.name), ("disk", &d.config.id)]);
-            let lim = d.config.limits;
-            for (k, val) in [
-                ("bps", lim.bps),
-                ("iops", lim.iops),
-                ("rbps", lim.rbps),
-                ("wbps", lim.wbps),
-                ("riops", lim.riops),
-                ("wiops", lim.wiops),
-            ] {
-                if let Some(x) = val {
-                    let mut lb = base.clone();
-                    lb.push(("kind", k.to_string()));
-                    dlim.get_or_create(&lb).set(x as f64);
-                }
+            dlimits.set(&base, &d.config.limits);
+            dsize.set(base.clone(), d.capacity_bytes);
+            if let Some(s) = &d.stats {
+                dio.set(&base, s);
             }
-            let Some(s) = &d.stats else { continue };
-            for (op, o) in [("read", &s.read), ("write", &s.write), ("other", &s.other)] {
-                let mut lb = base.clone();
-                lb.push(("op", op.to_string()));
-                dops.get_or_create(&lb).inc_by(o.ops as f64);
-                dbytes.get_or_create(&lb).inc_by(o.bytes as f64);
-                if o.latency.count() == 0 {
-                    continue;
-                }
-                dlat.get_or_create(&lb).set(
-                    o.latency.sum_seconds(),
-                    o.latency.count(),
-                    o.latency.buckets().collect(),
-                );
-            }
-            dthr.get_or_create(&base)
-                .inc_by(s.throttled_requests as f64);
-            dthrs.get_or_create(&base).inc_by(s.throttled_seconds());
-            dq.get_or_create(&base).set(s.queue_depth as f64);
         }
     }
 
     // Class I/O groups (one throttle group per class, shared by its disks).
-    let gops = r.counter(
-        "corral_group_ops",
-        "Requests admitted by a class's I/O group, by op",
-    );
-    let gbytes = r.counter(
-        "corral_group_bytes",
-        "Bytes admitted by a class's I/O group, by op",
-    );
-    let gthr = r.counter(
-        "corral_group_throttled_requests",
-        "Requests that waited for the group's tokens",
-    );
-    let gthrs = r.counter(
-        "corral_group_throttled_seconds",
-        "Time requests spent waiting for the group's tokens",
-    );
-    let gq = r.gauge("corral_group_queue_depth", "Requests queued in the group");
-    let glat = Family::<Labels, ConstHistogram>::default();
-    r.0.register(
-        "corral_group_request_duration_seconds",
-        "Request latency of the group's disks, by op",
-        glat.clone(),
-    );
+    let gio = IoFams::new(&mut r, "corral_group", "class's I/O group");
     for (class, s) in m.class_io_stats() {
         let group = format!("class:{class}");
-        let base = l(&[("class", &class), ("group", &group)]);
-        for (op, o) in [("read", &s.read), ("write", &s.write), ("other", &s.other)] {
-            let mut lb = base.clone();
-            lb.push(("op", op.to_string()));
-            gops.get_or_create(&lb).inc_by(o.ops as f64);
-            gbytes.get_or_create(&lb).inc_by(o.bytes as f64);
-            if o.latency.count() > 0 {
-                glat.get_or_create(&lb).set(
-                    o.latency.sum_seconds(),
-                    o.latency.count(),
-                    o.latency.buckets().collect(),
-                );
-            }
-        }
-        gthr.get_or_create(&base)
-            .inc_by(s.throttled_requests as f64);
-        gthrs.get_or_create(&base).inc_by(s.throttled_seconds());
-        gq.get_or_create(&base).set(s.queue_depth as f64);
+        gio.set(&l(&[("class", &class), ("group", &group)]), &s);
     }
 
-    let mut out = String::with_capacity(16 * 1024);
-    if encode(&mut out, &r.0).is_err() {
-        out.clear();
-    }
-    out
+    r.encode(format)
 }

@@ -201,6 +201,7 @@ pub fn router(mgr: Arc<Manager>) -> Router {
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .layer(axum::middleware::from_fn(metrics::http::track))
         .with_state(state)
 }
 
@@ -432,16 +433,14 @@ async fn console(
     Ok((text, Body::from_stream(stream)).into_response())
 }
 
-async fn metrics_handler(State(s): State<AppState>) -> ApiResult<Response> {
-    let text = blocking(&s.mgr, |m| Ok(metrics::render(m))).await?;
-    Ok((
-        [(
-            header::CONTENT_TYPE,
-            "application/openmetrics-text; version=1.0.0; charset=utf-8",
-        )],
-        text,
-    )
-        .into_response())
+async fn metrics_handler(
+    State(s): State<AppState>,
+    headers: axum::http::HeaderMap,
+) -> ApiResult<Response> {
+    let accept = headers.get(header::ACCEPT).and_then(|v| v.to_str().ok());
+    let format = metrics::expo::Format::negotiate(accept);
+    let text = blocking(&s.mgr, move |m| Ok(metrics::render(m, format))).await?;
+    Ok(([(header::CONTENT_TYPE, format.content_type())], text).into_response())
 }
 
 /// Options of `corral serve`.

@@ -172,7 +172,21 @@ impl Conn {
 
     /// Sends a request.
     pub fn send(&mut self, method: &str, path: &str, body: Option<&str>) {
+        self.send_with(method, path, &[], body);
+    }
+
+    /// Sends a request with extra headers.
+    pub fn send_with(
+        &mut self,
+        method: &str,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: Option<&str>,
+    ) {
         let mut head = format!("{method} {path} HTTP/1.1\r\nHost: localhost\r\n");
+        for (k, v) in headers {
+            head += &format!("{k}: {v}\r\n");
+        }
         if let Some(b) = body {
             head += &format!(
                 "Content-Type: application/json\r\nContent-Length: {}\r\n",

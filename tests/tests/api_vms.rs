@@ -524,7 +524,7 @@ fn pause_resume_and_disk_limits() {
         .assert_error(404, "not_found");
     let m = d.req("GET", "/metrics", None).text();
     assert!(
-        m.contains(r#"corral_disk_limit{vm="io",disk="data",kind="iops"} 1000"#),
+        m.contains(r#"corral_disk_limit_ops_per_second{vm="io",disk="data",op="all"} 1000"#),
         "{m}"
     );
     // Every disk is in its class's I/O group, and says so.
