@@ -10,6 +10,7 @@
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -85,9 +86,24 @@ fn http(port: u16, method: &str, path: &str, body: Option<&Value>) -> (u16, Stri
     (status, String::from_utf8_lossy(&out).into_owned())
 }
 
+/// chromedriver and everything it started (its process group), killed when
+/// dropped, also when a test fails half-way.
+struct Driver(Child);
+
+impl Drop for Driver {
+    fn drop(&mut self) {
+        if let Ok(pid) = i32::try_from(self.0.id()) {
+            // SAFETY: plain syscall; a negative pid names the process group
+            // this test created for chromedriver.
+            unsafe { libc::kill(-pid, libc::SIGKILL) };
+        }
+        let _ = self.0.wait();
+    }
+}
+
 /// A chromedriver process and one browser session in it.
 struct Browser {
-    driver: Child,
+    driver: Driver,
     port: u16,
     session: String,
 }
@@ -95,13 +111,18 @@ struct Browser {
 impl Browser {
     fn start(profile: &Path) -> Self {
         let port = free_port();
-        let driver = Command::new(CHROMEDRIVER)
-            .arg(format!("--port={port}"))
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("spawn chromedriver");
+        // Its own process group, so that the browser it starts goes with it
+        // whatever way the test ends (see Driver's Drop).
+        let driver = Driver(
+            Command::new(CHROMEDRIVER)
+                .arg(format!("--port={port}"))
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .process_group(0)
+                .spawn()
+                .expect("spawn chromedriver"),
+        );
         let up = wait_until(Duration::from_secs(20), || {
             TcpStream::connect(("127.0.0.1", port)).ok()
         });
@@ -189,8 +210,7 @@ impl Drop for Browser {
             &format!("/session/{}", self.session),
             None,
         );
-        let _ = self.driver.kill();
-        let _ = self.driver.wait();
+        let _ = &self.driver; // killed with its group when dropped
     }
 }
 
