@@ -1,12 +1,25 @@
 //! The gate vCPU threads wait on while their VM is parked.
 //!
 //! One [`Gate`] per VM, shared (`Arc<Gate>`) between the scheduler thread,
-//! which calls [`park`](Gate::park)/[`unpark`](Gate::unpark) (or
-//! [`apply`](Gate::apply) with the actions of a tick), and the VM's vCPU
-//! threads, which check [`is_parked`](Gate::is_parked) (one atomic load)
-//! before each `KVM_RUN` and block in
+//! which calls [`park`](Gate::park)/[`unpark`](Gate::unpark), and the VM's
+//! vCPU threads, which check [`is_parked`](Gate::is_parked) (one atomic
+//! load) before each `KVM_RUN` and block in
 //! [`wait_while_parked`](Gate::wait_while_parked) (Mutex + Condvar, no
 //! spinning) when it is set.
+//!
+//! # Enforcement is level-triggered
+//!
+//! The scheduler thread makes every gate match the policy's *current*
+//! decision ([`VmDecision::should_run`](crate::VmDecision::should_run)) at
+//! every tick: it parks a gate that is open while the decision is "don't
+//! run", and opens one that is parked while the decision is "run". It does
+//! not rely on [`TickOutput::changes`](crate::TickOutput::changes) alone: a
+//! change is emitted once, and one that could not be applied (the VM was
+//! added to the model but not attached to the scheduler thread yet) would
+//! be lost for good. Attaching a VM applies the decision in force, under
+//! the scheduler thread's lock, so no tick falls between the two.
+//! `park`/`unpark` are idempotent, so re-applying a decision costs one
+//! atomic load per VM and tick.
 //!
 //! # The kick
 //!
@@ -32,7 +45,14 @@
 //! Because `park` publishes the parked flag (SeqCst) *before* the kick sets
 //! `immediate_exit`, and the vCPU clears `immediate_exit` *before* checking
 //! the flag, either the vCPU sees the flag, or its `KVM_RUN` sees
-//! `immediate_exit = 1` and returns at once: a park is never missed.
+//! `immediate_exit = 1` and returns at once: a park is never missed once
+//! the gate is parked. (A kick is sent only on the open → parked
+//! transition; there is no re-kick. The "lost kick" once seen in CI, a
+//! capped VM running at 98 % while parked, matches the add/attach race
+//! above: the issue reproduced it in 5 of 14 launches, all with 0 re-kicks,
+//! since a re-kick keyed on a gate that was never parked.) [`waiting`](Gate::waiting)
+//! counts the threads blocked on the gate, so the scheduler knows when a
+//! parked VM is off the CPU for sure.
 //!
 //! # Shutdown
 //!
@@ -131,24 +151,6 @@ impl Gate {
             kick();
         }
         true
-    }
-
-    /// Runs the kick callback again if the gate is parked (for threads that
-    /// have not reached the gate since the park: a kick may be lost or late,
-    /// and a parked gate is not kicked again by [`park`](Self::park)).
-    /// Returns whether it kicked.
-    pub fn kick_again(&self) -> bool {
-        if !self.is_parked() || self.shutdown.load(Ordering::SeqCst) {
-            return false;
-        }
-        let kick = self.kick.read().unwrap_or_else(|e| e.into_inner()).clone();
-        match kick {
-            Some(kick) => {
-                kick();
-                true
-            }
-            None => false,
-        }
     }
 
     /// Unparks the gate and wakes all waiters. Returns `true` if it was

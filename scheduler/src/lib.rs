@@ -94,13 +94,15 @@
 //! let gates = [Arc::new(Gate::new()), Arc::new(Gate::new())];
 //!
 //! // Every tick (scheduler thread): sample cumulative vCPU thread CPU time,
-//! // then apply the changes to the gates.
+//! // then make every gate match the current decision (level-triggered, see
+//! // the gate module).
 //! let out = s.tick(10_000_000, &[
 //!     VmUsage::total(VmId(1), 20_000_000, true),
 //!     VmUsage::total(VmId(2), 20_000_000, true),
 //! ]);
-//! for change in out.changes() {
-//!     gates[change.vm.0 as usize - 1].apply(change.action);
+//! for d in out.vms() {
+//!     let gate = &gates[d.vm.0 as usize - 1];
+//!     if d.should_run { gate.unpark(); } else { gate.park(); }
 //! }
 //! ```
 #![forbid(unsafe_op_in_unsafe_fn)]

@@ -210,8 +210,10 @@ impl TickOutput {
         self.now_ns
     }
 
-    /// Parked-state changes to apply (only VMs whose state changed). Apply
-    /// them all: the policy assumes they take effect.
+    /// Parked-state changes of this tick (only VMs whose state changed).
+    /// Enforcement should follow [`vms`](Self::vms) (the decision in force
+    /// for every VM) rather than these alone: a change that cannot be
+    /// applied when it is emitted (VM not attached yet) is not repeated.
     pub fn changes(&self) -> &[Change] {
         &self.changes
     }

@@ -7,8 +7,8 @@ use crate::policy::{ConfigError, Policy, PolicyConfig, Stats, TickOutput, VmUsag
 /// Owns the [`Model`] and the [`Policy`] state.
 ///
 /// The daemon's scheduler thread calls [`tick`](Self::tick) every
-/// [`PolicyConfig::tick_ns`] and applies [`TickOutput::changes`] to the VMs'
-/// [`Gate`](crate::gate::Gate)s; the control plane calls the mutators. Share
+/// [`PolicyConfig::tick_ns`] and makes each VM's
+/// [`Gate`](crate::gate::Gate) match its decision in [`TickOutput::vms`]; the control plane calls the mutators. Share
 /// it as `Mutex<Scheduler>`: a tick at 1000 VMs takes tens of microseconds,
 /// so the lock is never held long. Every mutator validates first and leaves
 /// the scheduler unchanged on error; changes take effect at the next tick.

@@ -41,7 +41,6 @@ fn spin(s: u64) -> String {
 }
 
 fn print_stats(b: &Bench) {
-    eprintln!("  re-kicks: {}", b.cpu().rekicks());
     for v in b.cpu().with(|s| s.stats()).vms {
         eprintln!(
             "  vm{} ent {:.1} used {:.1} credit {:.1} ms parked {} ({:.2} s, {} times) runnable {}",

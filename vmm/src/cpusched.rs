@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use corral_devices::bus::lock;
 use corral_scheduler::policy::VmUsage;
-use corral_scheduler::{Action, Gate, Scheduler, VmId};
+use corral_scheduler::{Gate, Scheduler, VmId};
 
 /// CPU time of thread `tid` in ns, through its per-thread CPU clock
 /// (guest time included: KVM_RUN runs on the thread).
@@ -97,8 +97,6 @@ struct Tracked {
     /// Per vCPU: ticks since it last ran (saturating).
     idle_ticks: Vec<u8>,
     runnable: u32,
-    /// Ticks the VM has been parked (saturating); 0 when running.
-    parked_ticks: u32,
     /// Sum of the vCPU clocks at the last sample.
     total: u64,
     /// Threads that work for the VM but are not parked (its device
@@ -113,9 +111,6 @@ struct Tracked {
     settled: bool,
 }
 
-/// A parked VM whose vCPUs are not all blocked on the gate after this many
-/// ticks is kicked again (and every this many ticks after).
-const REKICK_TICKS: u32 = 2;
 /// Host idle time is read from /proc/stat every this many ticks.
 const IDLE_SAMPLE_TICKS: u64 = 4;
 
@@ -141,8 +136,6 @@ struct Inner {
     /// Host idle over the last sampling interval, percent of one CPU.
     measured_idle: Option<f64>,
     tick_count: u64,
-    /// Kicks repeated because a parked VM's vCPUs had not reached the gate.
-    rekicks: u64,
     ticks: u64,
 }
 
@@ -179,7 +172,6 @@ impl CpuScheduler {
                 last_tick_ns: 0,
                 measured_idle: None,
                 tick_count: 0,
-                rekicks: 0,
             }),
             stop: AtomicBool::new(false),
             thread: Mutex::new(None),
@@ -239,7 +231,13 @@ impl CpuScheduler {
             .collect();
         let runnable = tids.len() as u32;
         let idle_ticks = vec![0; tids.len()];
-        lock(&self.inner).vms.insert(
+        let mut inner = lock(&self.inner);
+        // Under the lock, so no tick runs between the sync and the insert:
+        // a decision taken before the VM was attached holds from now on.
+        if let Some(parked) = lock(&self.sched).is_parked(id) {
+            enforce(&gate, !parked);
+        }
+        inner.vms.insert(
             id,
             Tracked {
                 gate,
@@ -247,7 +245,6 @@ impl CpuScheduler {
                 last,
                 idle_ticks,
                 runnable,
-                parked_ticks: 0,
                 total: 0,
                 extra_idle: vec![RUNNABLE_MEMORY_TICKS; extra.len()],
                 extra,
@@ -262,11 +259,6 @@ impl CpuScheduler {
         if let Some(v) = lock(&self.inner).vms.remove(&id) {
             v.gate.unpark();
         }
-    }
-
-    /// Kicks repeated because a parked VM's vCPUs had not reached the gate.
-    pub fn rekicks(&self) -> u64 {
-        lock(&self.inner).rekicks
     }
 
     /// (ticks done, CPU time the scheduler thread used in ns).
@@ -310,11 +302,6 @@ impl CpuScheduler {
         inner.usages.clear();
         for (id, v) in inner.vms.iter_mut() {
             let parked = v.gate.is_parked();
-            v.parked_ticks = if parked {
-                v.parked_ticks.saturating_add(1)
-            } else {
-                0
-            };
             if !parked {
                 v.settled = false;
             }
@@ -336,12 +323,6 @@ impl CpuScheduler {
             // these readings are final until the VM is unparked.
             if parked && v.gate.waiting() >= v.tids.len() as u64 {
                 v.settled = true;
-            } else if parked && v.parked_ticks >= REKICK_TICKS && v.parked_ticks % REKICK_TICKS == 0
-            {
-                // Parked for a while but some vCPU is still not on the gate:
-                // its kick was lost or is stuck; kick again.
-                v.gate.kick_again();
-                inner.rekicks += 1;
             }
             let mut total = 0u64;
             let mut busy = 0u32;
@@ -396,17 +377,28 @@ impl CpuScheduler {
         sched.set_measured_idle(measured);
         sched.set_measured_steal(steal);
         let out = sched.tick(now, &inner.usages);
-        for c in out.changes() {
-            if let Some(v) = inner.vms.get(&c.vm) {
-                match c.action {
-                    Action::Park => {
-                        v.gate.park();
-                    }
-                    Action::Unpark => {
-                        v.gate.unpark();
-                    }
-                }
+        // Level-triggered: every gate is made to match the policy's current
+        // decision, not only the gates of this tick's changes. A change for
+        // a VM that was not attached yet (the policy can park a VM in the
+        // milliseconds between `add_vm` and `attach`) would otherwise be
+        // lost for good: the policy emits a change only once, and a capped
+        // VM ran uncapped for a whole test with `parked = true`.
+        for d in out.vms() {
+            if let Some(v) = inner.vms.get(&d.vm) {
+                enforce(&v.gate, d.should_run);
             }
+        }
+    }
+}
+
+/// Makes `gate` match a decision: parks it (kicking its vCPUs) if the VM
+/// must not run and the gate is open, opens it if the VM may run.
+fn enforce(gate: &Gate, should_run: bool) {
+    if gate.is_parked() == should_run {
+        if should_run {
+            gate.unpark();
+        } else {
+            gate.park();
         }
     }
 }
@@ -418,71 +410,5 @@ impl Drop for CpuScheduler {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn thread_clock_moves_for_a_spinning_thread() {
-        let (tx, rx) = std::sync::mpsc::channel();
-        let stop = Arc::new(AtomicBool::new(false));
-        let s2 = stop.clone();
-        let t = std::thread::spawn(move || {
-            // SAFETY: gettid has no preconditions.
-            tx.send(unsafe { libc::gettid() }).unwrap();
-            let mut x = 0u64;
-            while !s2.load(Ordering::Relaxed) {
-                x = x.wrapping_add(1);
-                std::hint::black_box(x);
-            }
-        });
-        let tid = rx.recv().unwrap();
-        let a = thread_cpu_ns(tid).unwrap();
-        std::thread::sleep(Duration::from_millis(50));
-        let b = thread_cpu_ns(tid).unwrap();
-        stop.store(true, Ordering::Relaxed);
-        t.join().unwrap();
-        assert!(
-            b > a + 5_000_000,
-            "a spinning thread used {} ns in 50 ms",
-            b - a
-        );
-        assert!(thread_cpu_ns(tid).is_none() || tid > 0);
-    }
-
-    /// The CPU time of a VM's extra (device) thread is charged to the VM,
-    /// and what was read stays counted after the thread exits.
-    #[test]
-    fn device_thread_cpu_is_charged_to_its_vm() {
-        use corral_scheduler::model::{Capacity, ClassSpec, VmSpec};
-        use corral_scheduler::{PolicyConfig, Scheduler};
-        let mut sched = Scheduler::new(Capacity::from_cpus(2), PolicyConfig::default()).unwrap();
-        sched.create_class("c", ClassSpec::new(100)).unwrap();
-        sched.add_vm(VmId(1), VmSpec::new("c", 1)).unwrap();
-        let cpu = CpuScheduler::new(Arc::new(Mutex::new(sched)));
-        let (tx, rx) = std::sync::mpsc::channel();
-        let dev = std::thread::spawn(move || {
-            // SAFETY: gettid has no preconditions.
-            tx.send(unsafe { libc::gettid() }).unwrap();
-            let t0 = std::time::Instant::now();
-            let mut x = 0u64;
-            while t0.elapsed() < Duration::from_millis(60) {
-                x = x.wrapping_add(1);
-                std::hint::black_box(x);
-            }
-        });
-        let tid = rx.recv().unwrap();
-        // No vCPU threads at all: everything the VM uses is the device's.
-        cpu.attach(VmId(1), Arc::new(Gate::new()), Vec::new(), vec![tid]);
-        while !dev.is_finished() {
-            cpu.tick(10_000_000);
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        dev.join().unwrap();
-        cpu.tick(10_000_000);
-        let used = cpu.with(|s| s.stats()).vms[0].cpu_ns;
-        assert!(
-            used >= 30_000_000,
-            "charged {used} ns of a ~60 ms device thread"
-        );
-    }
-}
+#[path = "cpusched_tests.rs"]
+mod tests;
