@@ -6,6 +6,8 @@
 //! (thread CPU clocks of the vCPU threads) and enforces the answers with a
 //! [`Gate`] per VM.
 //!
+//! * [`capacity`]: the capacity the policy plans with, less steal and the
+//!   load of other processes ([`HostLoad`]).
 //! * [`model`]: capacity, classes ([`ClassSpec`]: shares, cap, reservation)
 //!   and VMs ([`VmSpec`]: class, weight, vCPUs), validation and admission
 //!   control.
@@ -108,12 +110,14 @@
 #![forbid(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
 
+pub mod capacity;
 pub mod gate;
 pub mod model;
 pub mod policy;
 mod scheduler;
 pub mod sim;
 
+pub use capacity::HostLoad;
 pub use gate::{Gate, WaitOutcome};
 pub use model::{Capacity, ClassSpec, ErrorKind, Model, ModelError, VmId, VmSpec};
 pub use policy::{

@@ -29,6 +29,7 @@ use std::hash::{BuildHasherDefault, Hasher};
 
 use thiserror::Error;
 
+use crate::capacity::HostLoad;
 use crate::model::{ClassSpec, Model, VmId, VmSpec};
 
 /// Tunables of the policy. Both can be changed live.
@@ -289,8 +290,19 @@ pub struct ClassStats {
 /// Snapshot of the scheduler state, for metrics and `corral top`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Stats {
-    /// Capacity, percent of one CPU.
+    /// Capacity (the model's), percent of one CPU.
     pub capacity_pct: u64,
+    /// The capacity planned with: capacity less steal and outside load.
+    pub available_pct: f64,
+    /// Host CPU lost to steal, percent of one CPU.
+    pub steal_pct: f64,
+    /// Host CPU used by everything but corral's VMs (averaged), percent.
+    pub outside_pct: f64,
+    /// Reservations claimed now (each class's bounded by its demand).
+    pub claimed_reservations_pct: f64,
+    /// Fraction of the claimed reservations the available capacity cannot
+    /// deliver (0 = all honoured).
+    pub shortfall_ratio: f64,
     /// Sum of class reservations, percent of one CPU.
     pub reserved_pct: u64,
     /// Ticks run so far.
@@ -465,24 +477,21 @@ fn water_fill(items: &[Wf], total: f64, out: &mut Vec<f64>, events: &mut Vec<(f6
     out.extend(items.iter().map(|it| (level * it.w).clamp(it.lo, it.hi)));
 }
 
-/// Capacity left after `steal_pct` is lost to the hypervisor below (never
-/// less than half the nominal capacity).
-fn effective_capacity(nominal_pct: f64, steal_pct: f64) -> f64 {
-    (nominal_pct - steal_pct).max(nominal_pct / 2.0)
-}
 
 /// The policy state. See the [module docs](self).
 #[derive(Debug, Clone)]
 pub struct Policy {
     config: PolicyConfig,
     generation: Option<u64>,
-    /// The capacity the policy plans with: the model's, less the CPU the
-    /// host's hypervisor takes (steal), see [`Policy::set_measured_steal`].
+    /// The capacity the policy plans with: the model's, less steal and the
+    /// outside load (see [`HostLoad`]), updated when it moves by 1 % of a
+    /// CPU or more.
     capacity_pct: f64,
-    /// The model's capacity.
-    nominal_pct: f64,
-    /// Host CPU lost to steal (percent of one CPU), as last measured.
-    steal_pct: f64,
+    /// Steal, outside load and the capacity they leave.
+    host: HostLoad,
+    /// Reservations claimed at the last planning (each class's bounded by
+    /// its demand), percent.
+    claimed_pct: f64,
     reserved_pct: u64,
     vms: Vec<VmState>,
     classes: Vec<ClassState>,
@@ -517,8 +526,8 @@ impl Policy {
             config,
             generation: None,
             capacity_pct: 0.0,
-            nominal_pct: 0.0,
-            steal_pct: 0.0,
+            host: HostLoad::new(0.0),
+            claimed_pct: 0.0,
             reserved_pct: 0,
             vms: Vec::new(),
             classes: Vec::new(),
@@ -556,8 +565,8 @@ impl Policy {
             return;
         }
         self.generation = Some(model.generation());
-        self.nominal_pct = model.capacity().percent() as f64;
-        self.capacity_pct = effective_capacity(self.nominal_pct, self.steal_pct);
+        self.host.set_nominal(model.capacity().percent() as f64);
+        self.capacity_pct = self.host.available_pct();
         self.reserved_pct = model.reserved_percent();
         self.ent_dirty = true;
 
@@ -640,18 +649,36 @@ impl Policy {
     /// class in proportion, the reserved one to ~93 %). Below 1 % of a CPU
     /// steal is ignored as noise; at most half the capacity is discounted.
     pub fn set_measured_steal(&mut self, steal_pct: Option<f64>) {
-        let s = steal_pct.filter(|s| s.is_finite()).unwrap_or(0.0).max(0.0);
-        let s = if s < 1.0 { 0.0 } else { s };
-        // Re-plan only on a change of at least 1 % of a CPU.
-        if (s - self.steal_pct).abs() < 1.0 {
-            return;
+        self.host.set_steal(steal_pct);
+        self.replan_capacity();
+    }
+
+    /// Tells the policy how much host CPU everything but corral's VMs used
+    /// over the last `interval_ns` (percent of one CPU): other processes,
+    /// which the host's scheduler serves by its own fairness whatever the
+    /// shares say. The policy plans with what is left (averaged, see
+    /// [`HostLoad`]), so every entitlement is one the VMs can reach.
+    /// `None` forgets the outside load.
+    pub fn set_measured_outside(&mut self, outside_pct: Option<f64>, interval_ns: u64) {
+        match outside_pct {
+            Some(x) => self.host.add_outside_sample(x, interval_ns),
+            None => self.host.clear_outside(),
         }
-        self.steal_pct = s;
-        let c = effective_capacity(self.nominal_pct, s);
-        if c != self.capacity_pct {
+        self.replan_capacity();
+    }
+
+    /// Re-plans when the available capacity moved by 1 % of a CPU or more.
+    fn replan_capacity(&mut self) {
+        let c = self.host.available_pct();
+        if (c - self.capacity_pct).abs() >= 1.0 {
             self.capacity_pct = c;
             self.ent_dirty = true;
         }
+    }
+
+    /// Steal, outside load and the capacity planned with.
+    pub fn host_load(&self) -> &HostLoad {
+        &self.host
     }
 
     /// Runs one tick at time `now_ns` with the given usage reports and
@@ -775,14 +802,17 @@ impl Policy {
             shares,
             events,
             capacity_pct,
+            claimed_pct,
             ..
         } = self;
         items.clear();
+        *claimed_pct = 0.0;
         for c in classes.iter() {
             // fold from +0.0: an empty class's sum() would be -0.0 (shown as "-0.0").
             let demand = vms[c.start..c.end].iter().fold(0.0, |a, v| a + v.demand);
             let hi = c.spec.cap.map_or(demand, |cap| demand.min(f64::from(cap)));
             let lo = (c.spec.reserved_percent() as f64).min(hi);
+            *claimed_pct += lo;
             items.push(Wf {
                 w: f64::from(c.spec.shares),
                 lo,
@@ -1100,7 +1130,12 @@ impl Policy {
             })
             .collect();
         Stats {
-            capacity_pct: self.nominal_pct as u64,
+            capacity_pct: self.host.nominal_pct() as u64,
+            available_pct: self.capacity_pct,
+            steal_pct: self.host.steal_pct(),
+            outside_pct: self.host.outside_pct(),
+            claimed_reservations_pct: self.claimed_pct,
+            shortfall_ratio: self.host.shortfall_ratio(self.claimed_pct),
             reserved_pct: self.reserved_pct,
             ticks: self.ticks,
             last_tick_ns: self.last_now,
@@ -1285,12 +1320,17 @@ mod tests {
         p.set_measured_steal(Some(0.4));
         p.tick(&m, 20_000_000, &usage(20_000_000));
         assert!((ent(&p, 2) - 50.0).abs() < 1e-6, "{}", ent(&p, 2));
-        // Never below half the capacity.
-        p.set_measured_steal(Some(150.0));
+        assert_eq!(p.stats().shortfall_ratio, 0.0);
+        // Never below a quarter of the capacity; the reservation that no
+        // longer fits is cut, and the shortfall says by how much.
+        p.set_measured_steal(Some(180.0));
         p.tick(&m, 30_000_000, &usage(30_000_000));
-        assert!((ent(&p, 1) - 100.0).abs() < 1e-6);
+        assert!((ent(&p, 1) - 50.0).abs() < 1e-6, "{}", ent(&p, 1));
         assert!(ent(&p, 2).abs() < 1e-6, "{}", ent(&p, 2));
-        assert_eq!(p.stats().capacity_pct, 200);
+        let st = p.stats();
+        assert_eq!(st.capacity_pct, 200);
+        assert_eq!(st.available_pct, 50.0);
+        assert!((st.shortfall_ratio - 0.5).abs() < 1e-9, "{}", st.shortfall_ratio);
     }
 
     /// A 1-vCPU VM whose device thread is busy too can use two CPUs: its

@@ -134,6 +134,16 @@ impl Scheduler {
         self.policy.set_measured_steal(steal_pct);
     }
 
+    /// See [`Policy::set_measured_outside`].
+    pub fn set_measured_outside(&mut self, outside_pct: Option<f64>, interval_ns: u64) {
+        self.policy.set_measured_outside(outside_pct, interval_ns);
+    }
+
+    /// See [`Policy::host_load`].
+    pub fn host_load(&self) -> &crate::capacity::HostLoad {
+        self.policy.host_load()
+    }
+
     /// VM ids in tick order; see [`Policy::vm_order`].
     pub fn vm_order(&self) -> impl Iterator<Item = VmId> + '_ {
         self.policy.vm_order()

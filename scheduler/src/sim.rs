@@ -15,6 +15,18 @@
 //! after [`SimConfig::park_latency_ns`] (the time a kick takes to get a vCPU
 //! out of `KVM_RUN`; ~4 ms measured on kvm_pvm hosts).
 //!
+//! # Outside load
+//!
+//! [`Simulator::set_outside_load`] adds spinning threads that are not
+//! corral's (a build, a busy loop): the host model is fair among them and
+//! the VMs' threads alike, as CFS is. Every [`OUTSIDE_SAMPLE_TICKS`] ticks
+//! the simulator measures what they used, like the VMM does from
+//! `/proc/stat` (counted in whole jiffies of [`SimConfig::stat_jiffy_ns`]
+//! if set), and hands it to the policy
+//! ([`Scheduler::set_measured_outside`]) with the host's idle time, unless
+//! [`SimConfig::measure_outside`] is off (the policy then plans with the
+//! nominal capacity, as before issue 13).
+//!
 //! # Workloads
 //!
 //! See [`Pattern`]: hogs, bursty on/off VMs, mostly idle VMs, latency
@@ -51,7 +63,16 @@ pub struct SimConfig {
     pub exact_runnable: bool,
     /// PRNG seed.
     pub seed: u64,
+    /// Measure the outside load and the host's idle time and hand them to
+    /// the policy (default `true`).
+    pub measure_outside: bool,
+    /// Count the measured outside load in whole jiffies of this length per
+    /// CPU, as `/proc/stat` does (default 0: exact).
+    pub stat_jiffy_ns: u64,
 }
+
+/// The outside load is measured every this many ticks (as the VMM does).
+pub const OUTSIDE_SAMPLE_TICKS: u64 = 4;
 
 impl Default for SimConfig {
     fn default() -> Self {
@@ -61,6 +82,8 @@ impl Default for SimConfig {
             park_latency_ns: 0,
             exact_runnable: true,
             seed: 1,
+            measure_outside: true,
+            stat_jiffy_ns: 0,
         }
     }
 }
@@ -163,6 +186,8 @@ pub struct SimReport {
     pub busy_ns: f64,
     /// Idle host CPU time, ns.
     pub idle_ns: f64,
+    /// CPU time used by the outside load, ns.
+    pub outside_ns: f64,
     /// Idle host CPU time while a parked VM of an uncapped class wanted CPU.
     pub wasted_ns: f64,
     /// Policy ticks run.
@@ -194,6 +219,12 @@ impl SimReport {
     /// Wasted time as a fraction of total host capacity over the window.
     pub fn wasted_fraction(&self) -> f64 {
         self.wasted_ns / (self.window_ns as f64 * self.capacity_pct as f64 / 100.0)
+    }
+
+    /// CPU received by `class` as a percentage of all the VMs received.
+    pub fn class_share(&self, class: &str) -> f64 {
+        let total: f64 = self.vms.iter().map(|v| v.cpu_pct).sum();
+        self.class_pct(class) * 100.0 / total.max(1e-9)
     }
 
     /// Busy time as a fraction of total host capacity over the window.
@@ -371,10 +402,20 @@ pub struct Simulator {
     usages: Vec<VmUsage>,
     partial: Vec<f64>,
     capacity_cpus: f64,
+    /// Spinning threads that are not corral's.
+    outside_threads: u32,
+    /// Outside CPU and idle time since the last sample, ns.
+    outside_acc: f64,
+    idle_acc: f64,
+    /// Outside CPU counted in whole jiffies so far, and the true total.
+    outside_counted: f64,
+    outside_total: f64,
+    last_sample: Option<u64>,
     // Measurement window.
     window_start: u64,
     busy_ns: f64,
     idle_ns: f64,
+    outside_ns: f64,
     wasted_ns: f64,
     ticks: u64,
     policy_ns_total: u64,
@@ -401,9 +442,16 @@ impl Simulator {
             usages: Vec::new(),
             partial: Vec::new(),
             capacity_cpus: capacity.cpus(),
+            outside_threads: 0,
+            outside_acc: 0.0,
+            idle_acc: 0.0,
+            outside_counted: 0.0,
+            outside_total: 0.0,
+            last_sample: None,
             window_start: 0,
             busy_ns: 0.0,
             idle_ns: 0.0,
+            outside_ns: 0.0,
             wasted_ns: 0.0,
             ticks: 0,
             policy_ns_total: 0,
@@ -420,6 +468,11 @@ impl Simulator {
     /// weights, moves; capacity changes also change the simulated host).
     pub fn scheduler_mut(&mut self) -> &mut Scheduler {
         &mut self.scheduler
+    }
+
+    /// Sets the number of spinning threads outside corral from now on.
+    pub fn set_outside_load(&mut self, threads: u32) {
+        self.outside_threads = threads;
     }
 
     /// Current simulated time, ns.
@@ -497,6 +550,7 @@ impl Simulator {
         self.window_start = self.now;
         self.busy_ns = 0.0;
         self.idle_ns = 0.0;
+        self.outside_ns = 0.0;
         self.wasted_ns = 0.0;
         self.ticks = 0;
         self.policy_ns_total = 0;
@@ -558,6 +612,7 @@ impl Simulator {
             );
             vm.tick_runnable = 0;
         }
+        self.sample_outside();
         let t0 = Instant::now();
         let out = self.scheduler.tick(self.now, &self.usages);
         let cost = t0.elapsed().as_nanos() as u64;
@@ -579,6 +634,39 @@ impl Simulator {
                 Action::Park => vm.park_at = Some(self.now + self.config.park_latency_ns),
             }
         }
+    }
+
+    /// Every [`OUTSIDE_SAMPLE_TICKS`] ticks: hands the outside load and the
+    /// idle time measured since the last sample to the policy.
+    fn sample_outside(&mut self) {
+        let every = OUTSIDE_SAMPLE_TICKS * self.config.policy.tick_ns;
+        let last = *self.last_sample.get_or_insert(self.now);
+        let interval = self.now - last;
+        if interval < every {
+            return;
+        }
+        self.last_sample = Some(self.now);
+        let (outside, idle) = (self.outside_acc, self.idle_acc);
+        self.outside_acc = 0.0;
+        self.idle_acc = 0.0;
+        if !self.config.measure_outside {
+            return;
+        }
+        let outside = match self.config.stat_jiffy_ns {
+            0 => outside,
+            j => {
+                // Whole jiffies of the running total, as /proc/stat counts.
+                let j = j as f64;
+                let counted = (self.outside_total / j).floor() * j;
+                let d = counted - self.outside_counted;
+                self.outside_counted = counted;
+                d
+            }
+        };
+        let pct = |ns: f64| ns / interval as f64 * 100.0;
+        self.scheduler
+            .set_measured_outside(Some(pct(outside)), interval);
+        self.scheduler.set_measured_idle(Some(pct(idle)));
     }
 
     fn step(&mut self) {
@@ -623,6 +711,7 @@ impl Simulator {
                 _ => spinning += u64::from(vm.runnable),
             }
         }
+        spinning += u64::from(self.outside_threads);
         // Max-min fair share per thread (`level` ns of CPU in this step).
         let mut left = self.capacity_cpus * stepf;
         let partial_sum: f64 = self.partial.iter().sum();
@@ -663,10 +752,15 @@ impl Simulator {
                 vm.starve_ns = 0;
             }
         }
+        let outside = f64::from(self.outside_threads) * slice;
         let capacity = self.capacity_cpus * step as f64;
-        let idle = (capacity - used).max(0.0);
+        let idle = (capacity - used - outside).max(0.0);
         self.busy_ns += used;
         self.idle_ns += idle;
+        self.outside_ns += outside;
+        self.outside_acc += outside;
+        self.outside_total += outside;
+        self.idle_acc += idle;
         self.wasted_ns += idle.min(parked_wanting as f64 * step as f64);
         self.now += step;
     }
@@ -703,6 +797,7 @@ impl Simulator {
             vms,
             busy_ns: self.busy_ns,
             idle_ns: self.idle_ns,
+            outside_ns: self.outside_ns,
             wasted_ns: self.wasted_ns,
             ticks: self.ticks,
             policy_ns_total: self.policy_ns_total,
