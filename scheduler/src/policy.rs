@@ -477,7 +477,6 @@ fn water_fill(items: &[Wf], total: f64, out: &mut Vec<f64>, events: &mut Vec<(f6
     out.extend(items.iter().map(|it| (level * it.w).clamp(it.lo, it.hi)));
 }
 
-
 /// The policy state. See the [module docs](self).
 #[derive(Debug, Clone)]
 pub struct Policy {
@@ -1330,7 +1329,11 @@ mod tests {
         let st = p.stats();
         assert_eq!(st.capacity_pct, 200);
         assert_eq!(st.available_pct, 50.0);
-        assert!((st.shortfall_ratio - 0.5).abs() < 1e-9, "{}", st.shortfall_ratio);
+        assert!(
+            (st.shortfall_ratio - 0.5).abs() < 1e-9,
+            "{}",
+            st.shortfall_ratio
+        );
     }
 
     /// A 1-vCPU VM whose device thread is busy too can use two CPUs: its

@@ -61,7 +61,10 @@ fn without_the_outside_measurement_the_shares_break() {
         "planning with the nominal capacity: gold {gold:.2} % of the VMs' {vms:.1} %, \
          outside loop {outside:.1} %"
     );
-    assert!(gold < 70.0, "gold got {gold:.2} %: the model no longer shows the bug");
+    assert!(
+        gold < 70.0,
+        "gold got {gold:.2} %: the model no longer shows the bug"
+    );
 }
 
 /// A cap and a reservation beside two outside loops.
@@ -122,5 +125,8 @@ fn shortfall_is_reported_when_reservations_do_not_fit() {
     );
     assert!(st.shortfall_ratio > 0.2, "{}", st.shortfall_ratio);
     let ratio = r.vm(a).cpu_pct / r.vm(b).cpu_pct;
-    assert!((ratio - 1.0).abs() < 0.1, "equal reservations split {ratio:.2}");
+    assert!(
+        (ratio - 1.0).abs() < 0.1,
+        "equal reservations split {ratio:.2}"
+    );
 }

@@ -12,6 +12,8 @@ use corral_devices::bus::lock;
 use corral_scheduler::policy::VmUsage;
 use corral_scheduler::{Gate, Scheduler, VmId};
 
+use crate::hostload::{HostStat, StatReader};
+
 /// CPU time of thread `tid` in ns, through its per-thread CPU clock
 /// (guest time included: KVM_RUN runs on the thread).
 pub fn thread_cpu_ns(tid: libc::pid_t) -> Option<u64> {
@@ -28,26 +30,6 @@ pub fn thread_cpu_ns(tid: libc::pid_t) -> Option<u64> {
     // clock (thread gone) returns an error, nothing else.
     let r = unsafe { libc::clock_gettime(clock, &mut ts) };
     (r == 0).then(|| ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64)
-}
-
-/// Idle (idle + iowait) and steal time of all host CPUs in ns, from
-/// /proc/stat's `cpu` line.
-pub fn host_stat_ns() -> Option<(u64, u64)> {
-    use std::io::Read;
-    let mut f = std::fs::File::open("/proc/stat").ok()?;
-    let mut buf = [0u8; 256];
-    let n = f.read(&mut buf).ok()?;
-    let line = std::str::from_utf8(&buf[..n]).ok()?.lines().next()?;
-    let mut it = line.split_whitespace();
-    if it.next()? != "cpu" {
-        return None;
-    }
-    let v: Vec<u64> = it.take(8).filter_map(|x| x.parse().ok()).collect();
-    // SAFETY: sysconf has no preconditions.
-    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
-    let idle = (v.get(3)? + v.get(4)?) * 1_000_000_000 / hz;
-    let steal = v.get(7).copied().unwrap_or(0) * 1_000_000_000 / hz;
-    Some((idle, steal))
 }
 
 /// CPU time of the calling thread, in ns.
@@ -109,9 +91,12 @@ struct Tracked {
     extra_idle: Vec<u8>,
     /// Parked, and sampled after every vCPU was blocked on the gate.
     settled: bool,
+    /// The VM's total (vCPUs + extra threads) last reported, ns.
+    reported: u64,
 }
 
-/// Host idle time is read from /proc/stat every this many ticks.
+/// Host idle, steal and busy time are read from /proc/stat every this many
+/// ticks.
 const IDLE_SAMPLE_TICKS: u64 = 4;
 
 /// A vCPU that ran at least this fraction (1/N) of a tick was runnable.
@@ -125,10 +110,14 @@ struct Inner {
     usages: Vec<VmUsage>,
     /// CPU time the scheduler thread itself used, ns.
     self_cpu_ns: u64,
-    /// Host idle time (all CPUs, ns) at the last tick, from /proc/stat.
-    last_idle_ns: Option<u64>,
-    /// Host steal time (all CPUs, ns) at the last sample.
-    last_steal_ns: Option<u64>,
+    /// Reads /proc/stat for the daemon's CPUs.
+    stat: StatReader,
+    /// Host times at the last sample.
+    last_stat: Option<HostStat>,
+    /// CPU the VMs used since the last sample, ns.
+    vms_since_sample_ns: u64,
+    /// `self_cpu_ns` at the last sample.
+    self_at_sample_ns: u64,
     /// Host CPU taken by the hypervisor below over the last sampling
     /// interval, percent of one CPU.
     measured_steal: Option<f64>,
@@ -166,8 +155,10 @@ impl CpuScheduler {
                 usages: Vec::new(),
                 self_cpu_ns: 0,
                 ticks: 0,
-                last_idle_ns: None,
-                last_steal_ns: None,
+                stat: StatReader::for_affinity(),
+                last_stat: None,
+                vms_since_sample_ns: 0,
+                self_at_sample_ns: 0,
                 measured_steal: None,
                 last_tick_ns: 0,
                 measured_idle: None,
@@ -221,14 +212,15 @@ impl CpuScheduler {
         tids: Vec<libc::pid_t>,
         extra: Vec<libc::pid_t>,
     ) {
-        let extra_last = extra
+        let extra_last: Vec<u64> = extra
             .iter()
             .map(|t| thread_cpu_ns(*t).unwrap_or(0))
             .collect();
-        let last = tids
+        let last: Vec<u64> = tids
             .iter()
             .map(|t| thread_cpu_ns(*t).unwrap_or(0))
             .collect();
+        let reported = last.iter().chain(&extra_last).sum();
         let runnable = tids.len() as u32;
         let idle_ticks = vec![0; tids.len()];
         let mut inner = lock(&self.inner);
@@ -250,6 +242,7 @@ impl CpuScheduler {
                 extra,
                 extra_last,
                 settled: false,
+                reported,
             },
         );
     }
@@ -312,6 +305,7 @@ impl CpuScheduler {
                 // scheduler cheap with many parked VMs; the device thread
                 // may still be serving I/O, so it is read.
                 let (extra, helpers) = sample_extra(v, tick_ns);
+                inner.vms_since_sample_ns += v.report(v.total + extra);
                 inner.usages.push(
                     VmUsage::total(*id, v.total + extra, v.runnable > 0)
                         .with_runnable_vcpus(v.runnable)
@@ -342,6 +336,7 @@ impl CpuScheduler {
             v.total = total;
             let (extra, helpers) = sample_extra(v, tick_ns);
             let total = total + extra;
+            inner.vms_since_sample_ns += v.report(total);
             // A parked VM's vCPUs wait on the gate: they still want CPU as
             // much as when they were parked.
             let runnable = if parked { v.runnable.max(1) } else { busy };
@@ -352,30 +347,20 @@ impl CpuScheduler {
                     .with_busy_helpers(helpers),
             );
         }
-        // Real host idle time, so that CPU taken by other processes is not
-        // mistaken for CPU our VMs left unused.
         inner.tick_count += 1;
-        if inner.tick_count % IDLE_SAMPLE_TICKS == 1 || inner.last_idle_ns.is_none() {
-            let stat = host_stat_ns();
-            let (idle, steal) = (stat.map(|s| s.0), stat.map(|s| s.1));
-            let dt = now.saturating_sub(inner.last_tick_ns);
-            let pct = |cur: Option<u64>, last: Option<u64>| match (cur, last) {
-                (Some(c), Some(l)) if dt > 0 => {
-                    Some(c.saturating_sub(l) as f64 * 100.0 / dt as f64)
-                }
-                _ => None,
-            };
-            inner.measured_idle = pct(idle, inner.last_idle_ns);
-            inner.measured_steal = pct(steal, inner.last_steal_ns);
-            inner.last_idle_ns = idle;
-            inner.last_steal_ns = steal;
-            inner.last_tick_ns = now;
-        }
+        let outside = if inner.tick_count % IDLE_SAMPLE_TICKS == 1 || inner.last_stat.is_none() {
+            self.sample_host(inner, now)
+        } else {
+            None
+        };
         let measured = inner.measured_idle;
         let steal = inner.measured_steal;
         let mut sched = lock(&self.sched);
         sched.set_measured_idle(measured);
         sched.set_measured_steal(steal);
+        if let Some((pct, interval)) = outside {
+            sched.set_measured_outside(Some(pct), interval);
+        }
         let out = sched.tick(now, &inner.usages);
         // Level-triggered: every gate is made to match the policy's current
         // decision, not only the gates of this tick's changes. A change for
@@ -388,6 +373,50 @@ impl CpuScheduler {
                 enforce(&v.gate, d.should_run);
             }
         }
+    }
+}
+
+impl CpuScheduler {
+    /// Reads the host's CPU times and updates the idle and steal figures;
+    /// returns the outside load (percent of one CPU) over the interval since
+    /// the last sample, and its length in ns.
+    ///
+    /// Real idle time, so that CPU taken by other processes is not mistaken
+    /// for CPU our VMs left unused; and the outside load, the CPU that
+    /// everything but our VMs and this thread used (host busy time less
+    /// their thread clocks), so that the policy plans with what the VMs can
+    /// get beside it.
+    fn sample_host(&self, inner: &mut Inner, now: u64) -> Option<(f64, u64)> {
+        let stat = inner.stat.read();
+        let dt = now.saturating_sub(inner.last_tick_ns);
+        let last = inner.last_stat;
+        let pct = |f: fn(&HostStat) -> u64| match (stat, last) {
+            (Some(c), Some(l)) if dt > 0 => {
+                Some(f(&c).saturating_sub(f(&l)) as f64 * 100.0 / dt as f64)
+            }
+            _ => None,
+        };
+        inner.measured_idle = pct(|s| s.idle_ns);
+        inner.measured_steal = pct(|s| s.steal_ns);
+        let busy = pct(|s| s.busy_ns);
+        let ours =
+            inner.vms_since_sample_ns + inner.self_cpu_ns.saturating_sub(inner.self_at_sample_ns);
+        inner.vms_since_sample_ns = 0;
+        inner.self_at_sample_ns = inner.self_cpu_ns;
+        inner.last_stat = stat;
+        inner.last_tick_ns = now;
+        let outside = busy? - ours as f64 * 100.0 / dt as f64;
+        Some((outside.max(0.0), dt))
+    }
+}
+
+impl Tracked {
+    /// Records the VM's total CPU time `total`; returns what it used since
+    /// the last report.
+    fn report(&mut self, total: u64) -> u64 {
+        let d = total.saturating_sub(self.reported);
+        self.reported = self.reported.max(total);
+        d
     }
 }
 

@@ -7,6 +7,7 @@ pub mod cgroup;
 pub mod cpuid;
 pub mod cpusched;
 mod devthread;
+pub mod hostload;
 pub mod layout;
 pub mod loader;
 pub mod manager;
