@@ -472,6 +472,10 @@ pub struct Status {
     pub memory_mib: u64,
     pub memory_budget_mib: u64,
     pub scheduler_ticks: u64,
+    pub available_pct: f64,
+    pub outside_pct: f64,
+    pub steal_pct: f64,
+    pub capacity_shortfall_ratio: f64,
 }
 
 impl From<HostInfo> for Status {
@@ -487,6 +491,10 @@ impl From<HostInfo> for Status {
             memory_mib: h.memory_mib,
             memory_budget_mib: h.memory_budget_mib,
             scheduler_ticks: h.sched_ticks,
+            available_pct: h.available_pct,
+            outside_pct: h.outside_pct,
+            steal_pct: h.steal_pct,
+            capacity_shortfall_ratio: h.shortfall_ratio,
         }
     }
 }

@@ -183,6 +183,21 @@ pub fn render(m: &Manager, format: Format) -> String {
         "Sum of the classes' CPU reservations, in host CPUs",
         ratio(host.reserved_pct as f64),
     );
+    r.gauge(
+        "corral_cpu_available_ratio",
+        "CPU the scheduler plans with: capacity less steal and the load of other processes, in host CPUs",
+        ratio(host.available_pct),
+    );
+    r.gauge(
+        "corral_cpu_outside_load_ratio",
+        "CPU used by everything but corral's VMs (averaged over ~1 s), in host CPUs",
+        ratio(host.outside_pct),
+    );
+    r.gauge(
+        "corral_capacity_shortfall_ratio",
+        "Fraction of the reservations claimed now that the available CPU cannot deliver (0 = all honoured)",
+        host.shortfall_ratio,
+    );
     let vm_count = r.ints("corral_vms", "VMs hosted, by state");
     for st in ["running", "paused", "shutdown", "stopped", "failed"] {
         let n = vms.iter().filter(|v| v.state.as_str() == st).count();

@@ -442,6 +442,16 @@ pub struct HostInfo {
     pub vcpus: u32,
     /// Scheduler ticks so far (0 = no scheduler thread running).
     pub sched_ticks: u64,
+    /// CPU the scheduler plans with: capacity less steal and the load of
+    /// other processes, percent of one CPU.
+    pub available_pct: f64,
+    /// CPU used by everything but corral's VMs (averaged), percent.
+    pub outside_pct: f64,
+    /// CPU lost to steal, percent.
+    pub steal_pct: f64,
+    /// Fraction of the reservations claimed now that the available CPU
+    /// cannot deliver (0 = all honoured).
+    pub shortfall_ratio: f64,
 }
 
 /// What the scheduler thread needs of one VM.
@@ -1360,6 +1370,7 @@ impl Manager {
         let vms = st.vms.len();
         drop(st);
         let s = self.sched();
+        let stats = s.stats();
         HostInfo {
             capacity_pct: s.model().capacity().percent(),
             reserved_pct: s.model().reserved_percent(),
@@ -1369,7 +1380,11 @@ impl Manager {
             memory_mib,
             memory_budget_mib: self.memory_budget_mib,
             vcpus,
-            sched_ticks: s.stats().ticks,
+            sched_ticks: stats.ticks,
+            available_pct: stats.available_pct,
+            outside_pct: stats.outside_pct,
+            steal_pct: stats.steal_pct,
+            shortfall_ratio: stats.shortfall_ratio,
         }
     }
 
