@@ -111,10 +111,12 @@ fn main() -> ExitCode {
                     .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
             )
             .with_writer(std::io::stderr)
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
             .init(),
         Err(_) => tracing_subscriber::fmt()
             .with_max_level(tracing::Level::WARN)
             .with_writer(std::io::stderr)
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
             .init(),
     }
     let mut argv = std::env::args_os();

@@ -122,6 +122,48 @@ impl Bus {
         }
     }
 
+    /// Dispatches a port-I/O read of `data.len() / size` elements of `size`
+    /// bytes, all from the same port (string I/O, `rep insb`: a
+    /// `KVM_EXIT_IO` with `count > 1`); each element is its own device
+    /// access. A `size` other than 1, 2 or 4, or data that is not a whole
+    /// number of elements, is not claimed (reads as all ones).
+    pub fn read_elems(&self, addr: u64, data: &mut [u8], size: usize) -> bool {
+        let whole = matches!(size, 1 | 2 | 4) && data.len().is_multiple_of(size);
+        match self.find(addr, size).filter(|_| whole) {
+            Some((e, off)) => {
+                let mut dev = lock(&e.dev);
+                for elem in data.chunks_exact_mut(size) {
+                    dev.read(off, elem);
+                }
+                true
+            }
+            None => {
+                data.fill(0xff);
+                self.stats.unknown_reads.fetch_add(1, Ordering::Relaxed);
+                false
+            }
+        }
+    }
+
+    /// Dispatches a port-I/O write of `data.len() / size` elements of
+    /// `size` bytes to the same port (`rep outsb`); see [`Bus::read_elems`].
+    pub fn write_elems(&self, addr: u64, data: &[u8], size: usize) -> bool {
+        let whole = matches!(size, 1 | 2 | 4) && data.len().is_multiple_of(size);
+        match self.find(addr, size).filter(|_| whole) {
+            Some((e, off)) => {
+                let mut dev = lock(&e.dev);
+                for elem in data.chunks_exact(size) {
+                    dev.write(off, elem);
+                }
+                true
+            }
+            None => {
+                self.stats.unknown_writes.fetch_add(1, Ordering::Relaxed);
+                false
+            }
+        }
+    }
+
     /// Dispatches a write; returns whether a device claimed it.
     pub fn write(&self, addr: u64, data: &[u8]) -> bool {
         match self.find(addr, data.len()) {
@@ -176,6 +218,30 @@ mod tests {
         let s = bus.stats();
         assert_eq!(s.unknown_reads.load(Ordering::Relaxed), 1);
         assert_eq!(s.unknown_writes.load(Ordering::Relaxed), 2);
+    }
+
+    #[test]
+    fn string_io_is_one_access_per_element() {
+        let mut bus = Bus::new();
+        bus.insert(0x10, 8, Arc::new(Mutex::new(Mem(vec![0; 8]))))
+            .unwrap();
+        // `rep outsb` of 3 bytes to the last port: each lands there in turn.
+        assert!(bus.write_elems(0x17, &[1, 2, 3], 1));
+        let mut b = [0u8; 4];
+        assert!(bus.read_elems(0x17, &mut b, 1));
+        assert_eq!(b, [3, 3, 3, 3]);
+        // Words.
+        assert!(bus.write_elems(0x12, &[1, 2, 3, 4], 2));
+        let mut w = [0u8; 4];
+        assert!(bus.read_elems(0x12, &mut w, 2));
+        assert_eq!(w, [3, 4, 3, 4]);
+        // Bad element sizes and ragged data are not claimed.
+        assert!(!bus.read_elems(0x10, &mut w, 3));
+        assert_eq!(w, [0xff; 4]);
+        assert!(!bus.write_elems(0x10, &[1, 2, 3], 2));
+        assert!(!bus.write_elems(0x10, &[1, 2], 0));
+        // An element straddling the end is not claimed either.
+        assert!(!bus.read_elems(0x16, &mut w, 4));
     }
 
     #[test]

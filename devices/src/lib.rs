@@ -7,11 +7,13 @@
 pub mod acpi_pm;
 pub mod bus;
 pub mod console;
+pub mod guest_log;
 pub mod i8042;
 pub mod serial;
 pub mod virtio;
 
 pub use bus::{Bus, BusDevice, BusError, BusStats};
 pub use console::ConsoleLog;
+pub use guest_log::{GuestErrorKind, GuestLog};
 pub use i8042::I8042;
 pub use serial::{IrqTrigger, SerialDevice};

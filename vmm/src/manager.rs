@@ -400,6 +400,8 @@ pub struct VmInfo {
     pub cpu_secs: f64,
     /// vCPU exits by reason, summed over vCPUs.
     pub exits: Vec<(&'static str, u64)>,
+    /// Guest-caused device errors: (device, kind, count).
+    pub guest_errors: Vec<(String, &'static str, u64)>,
     /// Scheduler figures, when the scheduler runs.
     pub sched: Option<SchedFigures>,
 }
@@ -885,6 +887,7 @@ impl Manager {
             uptime: running.then(|| e.handle.uptime()),
             cpu_secs: e.cpu_ns(running).max(sched_cpu_ns) as f64 / 1e9,
             exits: exits.into_iter().collect(),
+            guest_errors: e.handle.guest_errors(),
             sched,
         }
     }

@@ -108,6 +108,15 @@ fn regs_summary(vcpu: &VcpuFd) -> String {
     s
 }
 
+/// The element size of the current `KVM_EXIT_IO`.
+fn io_size(run: *const kvm_bindings::kvm_run) -> usize {
+    // SAFETY: `run` is this vCPU's mapped `kvm_run`, and the exit reason
+    // is KVM_EXIT_IO, so the kernel filled the `io` member; a raw read of
+    // one byte that no live reference covers (the exit's data slice lies
+    // at `data_offset`, past the struct).
+    usize::from(unsafe { std::ptr::addr_of!((*run).__bindgen_anon_1.io.size).read() })
+}
+
 /// Runs vCPU `index` until the VM stops. Returns when the VM's exit reason is set.
 pub(crate) fn run(mut vcpu: VcpuFd, index: u8, shared: Arc<Shared>) {
     let stats = shared.vcpu_stats[index as usize].clone();
@@ -142,13 +151,19 @@ pub(crate) fn run(mut vcpu: VcpuFd, index: u8, shared: Arc<Shared>) {
         }
         let exit = vcpu.run();
         match exit {
+            // `data` holds `count` elements of `size` bytes (string I/O,
+            // `rep insb/outsb`, has count > 1): one device access each.
             Ok(VcpuExit::IoOut(port, data)) => {
                 stats.io_out.fetch_add(1, Ordering::Relaxed);
-                shared.pio.write(u64::from(port), data);
+                shared
+                    .pio
+                    .write_elems(u64::from(port), data, io_size(run_ptr));
             }
             Ok(VcpuExit::IoIn(port, data)) => {
                 stats.io_in.fetch_add(1, Ordering::Relaxed);
-                shared.pio.read(u64::from(port), data);
+                shared
+                    .pio
+                    .read_elems(u64::from(port), data, io_size(run_ptr));
             }
             Ok(VcpuExit::MmioWrite(addr, data)) => {
                 stats.mmio_write.fetch_add(1, Ordering::Relaxed);

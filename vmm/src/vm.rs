@@ -17,7 +17,7 @@ use corral_devices::bus::lock;
 use corral_devices::virtio::blk::{Block, DiskSpec};
 use corral_devices::virtio::mmio::QUEUE_NOTIFY;
 use corral_devices::virtio::{MMIO_WINDOW_SIZE, MmioTransport, VirtioDevice};
-use corral_devices::{Bus, ConsoleLog, I8042, SerialDevice};
+use corral_devices::{Bus, ConsoleLog, GuestLog, I8042, SerialDevice};
 use corral_scheduler::gate::Gate;
 use kvm_bindings::{
     KVM_MAX_CPUID_ENTRIES, KVM_PIT_SPEAKER_DUMMY, kvm_pit_config, kvm_userspace_memory_region,
@@ -387,6 +387,8 @@ pub(crate) struct Shared {
     pause_gate: Arc<Gate>,
     /// virtio-blk disks: (name, config, device).
     pub(crate) disks: Vec<(String, DiskConfig, Arc<Mutex<Block>>)>,
+    /// The disks' guest-error counters (read without the device locks).
+    guest_logs: Vec<Arc<GuestLog>>,
     /// Messages for the device thread.
     pub(crate) control: Mutex<std::sync::mpsc::Sender<crate::devthread::Control>>,
     /// The scheduler's gate, if the VM is scheduled by the gate backend.
@@ -494,6 +496,17 @@ impl VmHandle {
     /// pthread ids of the vCPU threads (for CPU clocks); empty once joined.
     pub fn vcpu_pthreads(&self) -> Vec<libc::pthread_t> {
         lock(&self.shared.vcpu_pthreads).clone()
+    }
+
+    /// Guest-caused errors by device and kind: (device, kind, count).
+    pub fn guest_errors(&self) -> Vec<(String, &'static str, u64)> {
+        let mut v = Vec::new();
+        for log in &self.shared.guest_logs {
+            for (kind, n) in log.snapshot() {
+                v.push((log.device().to_string(), kind, n));
+            }
+        }
+        v
     }
 
     /// The VM's disks with their limits and counters.
@@ -771,6 +784,9 @@ pub fn start(cfg: &VmConfig) -> Result<VmHandle, VmError> {
             name: name.clone(),
             msg: e.to_string(),
         })?;
+        let log = Arc::new(GuestLog::new(name.clone()));
+        log.set_vm(&cfg.name);
+        block.set_guest_log(log);
         let now = corral_devices::virtio::blk::gate::monotonic_ns();
         if !d.limits.is_unlimited() || d.group.is_some() {
             let mut t = Throttle::new(&d.limits, now).map_err(|e| VmError::Disk {
@@ -898,6 +914,7 @@ pub fn start(cfg: &VmConfig) -> Result<VmHandle, VmError> {
         wake,
         pause_gate: Arc::new(Gate::new()),
         sched_gate: cfg.sched_gate.clone(),
+        guest_logs: disks.iter().map(|(_, _, b)| lock(b).guest_log()).collect(),
         disks,
         control: Mutex::new(control_tx),
     });

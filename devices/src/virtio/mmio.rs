@@ -14,11 +14,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use virtio_queue::{Queue, QueueT};
-use vm_memory::{GuestAddress, GuestMemoryMmap};
+use vm_memory::{GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
 use vmm_sys_util::eventfd::EventFd;
 
 use super::{Activation, Interrupt, VirtioDevice, features, status};
 use crate::bus::{BusDevice, lock};
+use crate::guest_log::{GuestErrorKind, GuestLog};
 
 /// Size of the MMIO window of one device.
 pub const MMIO_WINDOW_SIZE: u64 = 0x1000;
@@ -123,7 +124,16 @@ impl QueueRegs {
         q.try_set_used_ring_address(GuestAddress(self.used))?;
         q.set_event_idx(event_idx);
         q.set_ready(true);
-        if !q.is_valid(mem) {
+        // Our own check rather than `Queue::is_valid`, which logs (through
+        // the `log` crate, unlimited) on every refusal.
+        let n = u64::from(self.size);
+        let inside = |addr: u64, len: u64| {
+            GuestMemoryBackend::check_range(mem, GuestAddress(addr), len as usize)
+        };
+        if !(inside(self.desc, 16 * n)
+            && inside(self.avail, 6 + 2 * n)
+            && inside(self.used, 6 + 8 * n))
+        {
             return Err(virtio_queue::Error::InvalidChain);
         }
         Ok(q)
@@ -169,6 +179,7 @@ pub struct MmioTransport {
     /// the device lock (held during disk I/O on the device thread).
     config: Vec<u8>,
     stats: Arc<MmioStats>,
+    log: Arc<GuestLog>,
 }
 
 impl std::fmt::Debug for MmioTransport {
@@ -189,7 +200,7 @@ impl MmioTransport {
         device: Arc<Mutex<dyn VirtioDevice>>,
         irqfd: EventFd,
     ) -> Result<Self, MmioError> {
-        let (device_type, avail_features, maxes, notify, config) = {
+        let (device_type, avail_features, maxes, notify, config, log) = {
             let d = lock(&device);
             let maxes = d.queue_max_sizes().to_vec();
             let evts = d.queue_events();
@@ -210,7 +221,15 @@ impl MmioTransport {
                 .collect::<Result<Vec<_>, _>>()
                 .map_err(MmioError::Clone)?;
             let config = d.config_space().to_vec();
-            (d.device_type(), d.avail_features(), maxes, notify, config)
+            let log = d.guest_log();
+            (
+                d.device_type(),
+                d.avail_features(),
+                maxes,
+                notify,
+                config,
+                log,
+            )
         };
         Ok(Self {
             device,
@@ -228,6 +247,7 @@ impl MmioTransport {
             config_generation: 0,
             config,
             stats: Arc::new(MmioStats::default()),
+            log,
         })
     }
 
@@ -365,6 +385,8 @@ impl MmioTransport {
                 }
                 let mem = self.mem.clone();
                 let stats = self.stats.clone();
+                let log = self.log.clone();
+                let sel = self.queue_sel;
                 let Some(q) = self.selected_queue() else {
                     return false;
                 };
@@ -376,7 +398,13 @@ impl MmioTransport {
                             // Counted here, not as a bogus write; QueueReady
                             // reads back 0 so the driver sees the refusal.
                             bump(&stats.invalid_queues);
-                            tracing::debug!("virtio-mmio: refusing queue: {e}");
+                            log.report(
+                                GuestErrorKind::InvalidQueue,
+                                format_args!(
+                                    "virtio-mmio: refusing queue {sel} (size {}, desc {:#x}, avail {:#x}, used {:#x}): {e}",
+                                    q.size, q.desc, q.avail, q.used
+                                ),
+                            );
                         }
                     },
                     _ => return false,
@@ -426,9 +454,12 @@ impl MmioTransport {
                 // Leave FEATURES_OK clear: the driver reads the status back
                 // and gives up (§3.1.1 step 6).
                 bump(&self.stats.refused_features);
-                tracing::debug!(
-                    "virtio-mmio: refusing features {acked:#x} (offered {:#x})",
-                    self.avail_features
+                self.log.report(
+                    GuestErrorKind::RefusedFeatures,
+                    format_args!(
+                        "virtio-mmio: refusing features {acked:#x} (offered {:#x})",
+                        self.avail_features
+                    ),
                 );
                 self.status = v & !status::FEATURES_OK;
                 return true;
@@ -494,7 +525,10 @@ impl MmioTransport {
 
     fn fail_activation(&mut self, why: &str) {
         bump(&self.stats.failed_activations);
-        tracing::warn!("virtio-mmio: activation failed: {why}");
+        self.log.report(
+            GuestErrorKind::FailedActivation,
+            format_args!("virtio-mmio: activation failed: {why}"),
+        );
         self.interrupt.set_needs_reset();
     }
 
@@ -520,6 +554,10 @@ impl BusDevice for MmioTransport {
             let cfg = &self.config;
             if !matches!(data.len(), 1 | 2 | 4 | 8) {
                 bump(&self.stats.bogus_reads);
+                self.log.report(
+                    GuestErrorKind::BadRegister,
+                    format_args!("virtio-mmio: ignored {}-byte config read", data.len()),
+                );
                 return;
             }
             let start = (offset - CONFIG) as usize;
@@ -538,6 +576,13 @@ impl BusDevice for MmioTransport {
             Some(v) => data.copy_from_slice(&v.to_le_bytes()),
             None => {
                 bump(&self.stats.bogus_reads);
+                self.log.report(
+                    GuestErrorKind::BadRegister,
+                    format_args!(
+                        "virtio-mmio: ignored read at {offset:#x} ({} bytes)",
+                        data.len()
+                    ),
+                );
                 data.fill(0);
             }
         }
@@ -554,9 +599,12 @@ impl BusDevice for MmioTransport {
         };
         if !ok {
             bump(&self.stats.bogus_writes);
-            tracing::trace!(
-                "virtio-mmio: ignored write at {offset:#x} ({} bytes)",
-                data.len()
+            self.log.report(
+                GuestErrorKind::BadRegister,
+                format_args!(
+                    "virtio-mmio: ignored write at {offset:#x} ({} bytes)",
+                    data.len()
+                ),
             );
         }
     }

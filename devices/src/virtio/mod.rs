@@ -175,6 +175,9 @@ pub trait VirtioDevice: Send {
     /// The per-queue notify eventfds, created with the device and alive as
     /// long as it (the VMM registers them as ioeventfds).
     fn queue_events(&self) -> &[EventFd];
+    /// The device's guest-error counters and rate-limited log (shared with
+    /// its transport).
+    fn guest_log(&self) -> std::sync::Arc<crate::guest_log::GuestLog>;
     /// The device configuration space (snapshotted by the transport at
     /// creation and on [`MmioTransport::config_changed`]).
     fn config_space(&self) -> &[u8];

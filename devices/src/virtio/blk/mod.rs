@@ -10,32 +10,42 @@
 //!
 //! The guest is hostile: a malformed request gets `VIRTIO_BLK_S_IOERR`
 //! (`S_UNSUPP` for an unknown type), a chain without a status byte is
-//! returned with used length 0; all are counted in [`BlockStats`]. A broken
-//! ring (available index ahead by more than the queue size) puts the device
-//! in `DEVICE_NEEDS_RESET`. Processing yields after [`BUDGET`] requests so
+//! returned with used length 0; all are counted in [`BlockStats`] and
+//! reported through the device's rate-limited [`GuestLog`]. A queue that
+//! cannot be processed (available index ahead by more than the queue size,
+//! a ring virtio-queue refuses to iterate, a head beyond the table) puts the
+//! device in `DEVICE_NEEDS_RESET`, and it serves nothing more until reset.
+//! Files: `queue.rs` (serving the ring), `request.rs` and `chain.rs`
+//! (parsing), `execute.rs` (doing it), `event.rs` (device thread),
+//! `stats.rs`. Processing yields after [`BUDGET`] requests so
 //! one busy disk cannot starve the VM's other devices on the device thread.
 
 pub mod backend;
+pub mod chain;
+mod event;
+mod execute;
 pub mod gate;
+mod queue;
 pub mod request;
 pub mod spec;
+mod stats;
 
-use std::num::Wrapping;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 
-use event_manager::{EventOps, EventSet, Events, MutEventSubscriber};
 use virtio_queue::{Queue, QueueT};
-use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
+use vm_memory::GuestMemoryMmap;
 use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 
 pub use backend::{DiskError, DiskFile, SECTOR_SIZE};
 pub use gate::{GateTimer, RequestGate};
+pub use queue::POLL_NS;
 pub use request::{Malformed, ParseError, Request, RequestType, Segment};
 pub use spec::{DiskSpec, DiskSpecError};
+pub use stats::BlockStats;
 
-use super::{ActivateError, Activation, Interrupt, VirtioDevice, device_type, features, int};
-use gate::{Decision, GateRequest, Nanos, OpKind, monotonic_ns};
+use super::{ActivateError, Activation, Interrupt, VirtioDevice, device_type, features};
+use crate::guest_log::GuestLog;
+use gate::Nanos;
 
 /// Size of the request queue.
 pub const QUEUE_SIZE: u16 = 256;
@@ -78,39 +88,6 @@ pub const MAX_DISCARD_SEG: u32 = 32;
 const CONFIG_LEN: usize = 60;
 const TIMER_TOKEN: u32 = u32::MAX;
 
-/// Counters of one disk (atomics: read by the API without the device lock).
-#[derive(Debug, Default)]
-pub struct BlockStats {
-    /// Completed `IN` requests.
-    pub read_ops: AtomicU64,
-    /// Bytes read.
-    pub read_bytes: AtomicU64,
-    /// Completed `OUT` requests.
-    pub write_ops: AtomicU64,
-    /// Bytes written.
-    pub write_bytes: AtomicU64,
-    /// Completed `FLUSH` requests.
-    pub flush_ops: AtomicU64,
-    /// Completed `GET_ID`, `DISCARD`, `WRITE_ZEROES` requests.
-    pub other_ops: AtomicU64,
-    /// Requests answered `VIRTIO_BLK_S_IOERR` (malformed ones included).
-    pub io_errors: AtomicU64,
-    /// Requests answered `VIRTIO_BLK_S_UNSUPP`.
-    pub unsupported: AtomicU64,
-    /// Malformed chains (bad layout, address outside memory, ...).
-    pub malformed: AtomicU64,
-    /// Chains without a status byte (returned with length 0).
-    pub no_status: AtomicU64,
-    /// Times a request had to wait for the gate.
-    pub throttled: AtomicU64,
-    /// Times the ring was found broken (device set `DEVICE_NEEDS_RESET`).
-    pub broken_rings: AtomicU64,
-}
-
-fn add(c: &AtomicU64, n: u64) {
-    c.fetch_add(n, Ordering::Relaxed);
-}
-
 /// Options of a disk.
 #[derive(Clone, Debug, Default)]
 pub struct BlockOptions {
@@ -139,6 +116,7 @@ struct Engine {
     serial: [u8; 20],
     acked: u64,
     stats: Arc<BlockStats>,
+    log: Arc<GuestLog>,
 }
 
 /// A virtio-blk device.
@@ -182,7 +160,11 @@ impl Block {
         let opts = BlockOptions {
             serial: spec.id.clone().unwrap_or_default(),
         };
-        Self::new(disk, opts)
+        let mut b = Self::new(disk, opts)?;
+        if let Some(id) = &spec.id {
+            b.set_guest_log(Arc::new(GuestLog::new(id.clone())));
+        }
+        Ok(b)
     }
 
     /// A device serving `disk`.
@@ -223,6 +205,7 @@ impl Block {
                 serial,
                 acked: 0,
                 stats: Arc::new(BlockStats::default()),
+                log: Arc::new(GuestLog::new("virtio-blk")),
             },
             avail_features,
             config,
@@ -231,7 +214,7 @@ impl Block {
             timer: GateTimer::new().map_err(BlockError::Fd)?,
             gate: None,
             active: None,
-            poll_ns: poll_ns(),
+            poll_ns: queue::poll_ns(),
         })
     }
 
@@ -240,6 +223,18 @@ impl Block {
     /// `CORRAL_BLK_POLL_US`).
     pub fn set_poll_ns(&mut self, ns: u64) {
         self.poll_ns = ns;
+    }
+
+    /// Replaces the device's guest-error log (named after its VM and disk
+    /// by the VMM; the transport shares it).
+    pub fn set_guest_log(&mut self, log: Arc<GuestLog>) {
+        self.engine.log = log;
+    }
+
+    /// Whether the device stopped serving its queue until the driver
+    /// resets it (`DEVICE_NEEDS_RESET`).
+    pub fn needs_reset(&self) -> bool {
+        self.active.as_ref().is_some_and(|a| a.broken)
     }
 
     /// Counters of this disk.
@@ -287,450 +282,6 @@ impl Block {
     pub fn timer(&self) -> &GateTimer {
         &self.timer
     }
-
-    /// Serves the request queue: the waiting request first, then the
-    /// available ring, until it is empty, the gate says wait, or the budget
-    /// is spent (then the queue's eventfd is re-signalled to come back).
-    pub fn process_queue(&mut self) {
-        let Some(act) = self.active.as_mut() else {
-            return;
-        };
-        if act.broken || !act.queue.ready() {
-            return;
-        }
-        let mut used_any = false;
-        let now = if self.gate.is_some() {
-            monotonic_ns()
-        } else {
-            0
-        };
-
-        // The request the gate held back, if any.
-        if let Some(w) = act.waiting.take() {
-            let g = self.gate.as_mut();
-            match admit(g, &w.req, now) {
-                Some(until) => {
-                    act.waiting = Some(w);
-                    arm(&self.timer, until);
-                    return;
-                }
-                None => {
-                    if let Some(g) = self.gate.as_mut() {
-                        g.note_dequeued();
-                    }
-                    self.engine
-                        .complete(act, self.gate.as_deref_mut(), &w.req, w.taken_at);
-                    used_any = true;
-                }
-            }
-        }
-
-        let mut budget = BUDGET;
-        'outer: loop {
-            if !ring_sane(act, &self.engine.stats) {
-                return;
-            }
-            if !notifications_off(act, &self.engine.stats) {
-                return;
-            }
-            while let Some(chain) = act.queue.pop_descriptor_chain(&act.mem) {
-                used_any = true;
-                budget -= 1;
-                if budget == 0 {
-                    // Let the other event sources run; come back soon.
-                    let _ = self.queue_evts[0].write(1);
-                }
-                let req = match request::parse(chain, &act.mem) {
-                    Ok(r) => r,
-                    Err(m) => {
-                        self.engine.malformed(act, m);
-                        if budget == 0 {
-                            break 'outer;
-                        }
-                        continue;
-                    }
-                };
-                let taken_at = now;
-                if let Some(until) = admit(self.gate.as_mut(), &req, now) {
-                    add(&self.engine.stats.throttled, 1);
-                    if let Some(g) = self.gate.as_mut() {
-                        g.note_enqueued();
-                    }
-                    act.waiting = Some(Waiting { req, taken_at });
-                    arm(&self.timer, until);
-                    break 'outer;
-                }
-                self.engine
-                    .complete(act, self.gate.as_deref_mut(), &req, taken_at);
-                if budget == 0 {
-                    break 'outer;
-                }
-            }
-            match notifications_on(act, &self.engine.stats) {
-                Some(true) => continue,
-                Some(false) => break,
-                None => return,
-            }
-        }
-        if used_any {
-            // Without EVENT_IDX, virtio-queue does not look at the driver's
-            // VRING_AVAIL_F_NO_INTERRUPT flag; the spec says the device
-            // should not interrupt then (a polling driver asked for none, and
-            // each needless interrupt kicks its vCPU out of the guest).
-            let suppressed = !act.event_idx && avail_no_interrupt(&act.mem, act.queue.avail_ring());
-            if !suppressed {
-                match act.queue.needs_notification(&act.mem) {
-                    Ok(true) => act.interrupt.trigger(int::VRING),
-                    Ok(false) => {}
-                    Err(_) => break_ring(act, &self.engine.stats),
-                }
-            }
-        }
-    }
-
-    /// Serves the queue, then keeps polling the available ring for up to
-    /// the poll window for more requests before going back to sleep. While
-    /// it polls, `VRING_USED_F_NO_NOTIFY` stays set, so a driver that checks
-    /// it (the probe does; Linux does) skips its notify: a driver that
-    /// refills the ring as completions arrive is served with neither a
-    /// guest exit nor a device thread wake-up per batch. When the window
-    /// ends without work, notifications are re-enabled and the ring checked
-    /// once more (a request published just before that check would
-    /// otherwise wait for a notify that never comes).
-    pub fn process_queue_polling(&mut self) {
-        let poll = self.poll_ns;
-        if poll == 0 {
-            self.process_queue();
-            return;
-        }
-        loop {
-            self.process_queue();
-            let Some(act) = self.active.as_mut() else {
-                return;
-            };
-            if act.broken || act.waiting.is_some() || !act.queue.ready() {
-                return;
-            }
-            if !notifications_off(act, &self.engine.stats) {
-                return;
-            }
-            let seen = Wrapping(act.queue.next_avail());
-            let deadline = monotonic_ns().saturating_add(poll);
-            let more = loop {
-                match act.queue.avail_idx(&act.mem, Ordering::Acquire) {
-                    Ok(idx) if idx != seen => break true,
-                    Ok(_) => {}
-                    Err(_) => {
-                        break_ring(act, &self.engine.stats);
-                        return;
-                    }
-                }
-                if monotonic_ns() >= deadline {
-                    break false;
-                }
-                std::hint::spin_loop();
-            };
-            if more {
-                continue;
-            }
-            match notifications_on(act, &self.engine.stats) {
-                Some(true) => continue,
-                Some(false) | None => return,
-            }
-        }
-    }
-}
-
-/// How long the device thread keeps polling a queue after serving it, by
-/// default; `CORRAL_BLK_POLL_US` overrides it (0 turns polling off).
-///
-/// Measured here (`blkbench --poll-ab`, interleaved pairs, guest time):
-/// 2048 × 4 KiB reads at queue depth 4 take 0.61× the time with 200 µs of
-/// polling (76 → 46 ms; the probe then notifies once for the whole job
-/// instead of ~1000 times), 0.68× at depth 1, 0.78–0.89× for 128 KiB
-/// requests. 50 µs is shorter than the driver's turnaround for a batch
-/// (~100 µs of emulated guest code here) and gave only 0.85×. The spinning
-/// is the VM's own CPU: the gate backend charges the device thread's CPU
-/// time to the VM, and polling stops while its vCPUs are parked (nothing
-/// new arrives, the window runs out) or a request waits for the throttle.
-pub const POLL_NS: u64 = 200_000;
-
-fn poll_ns() -> u64 {
-    static V: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
-    *V.get_or_init(|| {
-        std::env::var("CORRAL_BLK_POLL_US")
-            .ok()
-            .and_then(|v| v.parse::<u64>().ok())
-            .map_or(POLL_NS, |us| us.saturating_mul(1000))
-    })
-}
-
-/// Whether the driver set VRING_AVAIL_F_NO_INTERRUPT in the available ring.
-fn avail_no_interrupt(mem: &GuestMemoryMmap, avail_ring: u64) -> bool {
-    mem.read_obj::<u16>(GuestAddress(avail_ring))
-        .map(|flags| u16::from_le(flags) & 1 != 0)
-        .unwrap_or(false)
-}
-
-/// Asks the gate; `Some(until)` if the request must wait.
-fn admit(gate: Option<&mut Box<dyn RequestGate>>, req: &Request, now: Nanos) -> Option<Nanos> {
-    let g = gate?;
-    let gr = match req.kind {
-        RequestType::In => GateRequest::read(req.data_len),
-        RequestType::Out => GateRequest::write(req.data_len),
-        _ => GateRequest::other(),
-    };
-    match g.poll(gr, now) {
-        Decision::Admit => None,
-        Decision::Wait { until, .. } => Some(until),
-    }
-}
-
-fn arm(timer: &GateTimer, until: Nanos) {
-    if let Err(e) = timer.arm_at(until) {
-        tracing::error!("virtio-blk: cannot arm the throttle timer: {e}");
-    }
-}
-
-/// Tells the driver it need not notify (the device is serving or polling
-/// the ring); false if the ring is broken (and now marked so).
-fn notifications_off(act: &mut Active, stats: &BlockStats) -> bool {
-    let ok = act.queue.disable_notification(&act.mem).is_ok();
-    if !ok {
-        break_ring(act, stats);
-    }
-    ok
-}
-
-/// Asks the driver to notify again; `Some(true)` if requests arrived in
-/// the meantime (serve them before sleeping), `None` if the ring is broken
-/// (and now marked so).
-fn notifications_on(act: &mut Active, stats: &BlockStats) -> Option<bool> {
-    let r = act.queue.enable_notification(&act.mem).ok();
-    if r.is_none() {
-        break_ring(act, stats);
-    }
-    r
-}
-
-fn break_ring(act: &mut Active, stats: &BlockStats) {
-    act.broken = true;
-    add(&stats.broken_rings, 1);
-    tracing::warn!("virtio-blk: broken ring, device needs reset");
-    act.interrupt.set_needs_reset();
-}
-
-/// The driver may not make more than queue-size buffers available at once
-/// (§2.7.13.3); more means a corrupt or hostile ring.
-fn ring_sane(act: &mut Active, stats: &BlockStats) -> bool {
-    let ok = match act.queue.avail_idx(&act.mem, Ordering::Acquire) {
-        Ok(idx) => (idx - Wrapping(act.queue.next_avail())).0 <= act.queue.size(),
-        Err(_) => false,
-    };
-    if !ok {
-        break_ring(act, stats);
-    }
-    ok
-}
-
-impl Engine {
-    fn finish(&self, act: &mut Active, head: u16, status: Option<(GuestAddress, u8)>, len: u32) {
-        if let Some((addr, s)) = status
-            && act.mem.write_obj(s, addr).is_err()
-        {
-            // Checked at parse time; cannot happen.
-            add(&self.stats.no_status, 1);
-        }
-        if act.queue.add_used(&act.mem, head, len).is_err() {
-            break_ring(act, &self.stats);
-        }
-    }
-
-    fn malformed(&self, act: &mut Active, m: Malformed) {
-        tracing::debug!("virtio-blk: malformed request: {}", m.error);
-        match m.status {
-            Some(addr) => {
-                add(&self.stats.malformed, 1);
-                add(&self.stats.io_errors, 1);
-                self.finish(act, m.head, Some((addr, blk_status::IOERR)), 1);
-            }
-            None => {
-                add(&self.stats.no_status, 1);
-                self.finish(act, m.head, None, 0);
-            }
-        }
-    }
-
-    /// Executes `req` and puts it in the used ring.
-    fn complete(
-        &mut self,
-        act: &mut Active,
-        gate: Option<&mut (dyn RequestGate + 'static)>,
-        req: &Request,
-        taken_at: Nanos,
-    ) {
-        let (status, written) = self.execute(&act.mem, req);
-        match status {
-            blk_status::OK => {}
-            blk_status::UNSUPP => add(&self.stats.unsupported, 1),
-            _ => add(&self.stats.io_errors, 1),
-        }
-        // Used length: bytes written into the chain, status included.
-        let len = u32::try_from(written).map_or(u32::MAX, |w| w.saturating_add(1));
-        self.finish(act, req.head, Some((req.status, status)), len);
-        if let Some(g) = gate {
-            let kind = match req.kind {
-                RequestType::In => OpKind::Read,
-                RequestType::Out => OpKind::Write,
-                _ => OpKind::Other,
-            };
-            g.record_latency(kind, monotonic_ns().saturating_sub(taken_at));
-        }
-    }
-
-    /// Byte offset of a range of `len` bytes at `sector`, if inside the disk.
-    fn range(&self, sector: u64, len: u64) -> Option<u64> {
-        let off = sector.checked_mul(SECTOR_SIZE)?;
-        (off.checked_add(len)? <= self.disk.capacity()).then_some(off)
-    }
-
-    /// Returns (status, bytes written to guest data buffers).
-    fn execute(&mut self, mem: &GuestMemoryMmap, req: &Request) -> (u8, u64) {
-        let st = self.stats.clone();
-        match req.kind {
-            RequestType::In => {
-                let Some(off) = self.range(req.sector, req.data_len) else {
-                    return (blk_status::IOERR, 0);
-                };
-                match self.disk.read(mem, &req.data, off) {
-                    Ok(()) => {
-                        add(&st.read_ops, 1);
-                        add(&st.read_bytes, req.data_len);
-                        (blk_status::OK, req.data_len)
-                    }
-                    Err(e) => {
-                        tracing::debug!("virtio-blk: read at {off:#x} failed: {e}");
-                        (blk_status::IOERR, 0)
-                    }
-                }
-            }
-            RequestType::Out => {
-                if self.disk.read_only() {
-                    return (blk_status::IOERR, 0);
-                }
-                let Some(off) = self.range(req.sector, req.data_len) else {
-                    return (blk_status::IOERR, 0);
-                };
-                match self.disk.write(mem, &req.data, off) {
-                    Ok(()) => {
-                        add(&st.write_ops, 1);
-                        add(&st.write_bytes, req.data_len);
-                        (blk_status::OK, 0)
-                    }
-                    Err(e) => {
-                        tracing::debug!("virtio-blk: write at {off:#x} failed: {e}");
-                        (blk_status::IOERR, 0)
-                    }
-                }
-            }
-            RequestType::Flush => match self.disk.flush() {
-                Ok(()) => {
-                    add(&st.flush_ops, 1);
-                    (blk_status::OK, 0)
-                }
-                Err(e) => {
-                    tracing::warn!("virtio-blk: fdatasync failed: {e}");
-                    (blk_status::IOERR, 0)
-                }
-            },
-            RequestType::GetId => {
-                let n = req.data_len.min(20) as usize;
-                let mut cursor = 0usize;
-                for s in &req.data {
-                    if cursor >= n {
-                        break;
-                    }
-                    let k = (s.len as usize).min(n - cursor);
-                    if mem
-                        .write_slice(&self.serial[cursor..cursor + k], s.addr)
-                        .is_err()
-                    {
-                        return (blk_status::IOERR, cursor as u64);
-                    }
-                    cursor += k;
-                }
-                add(&st.other_ops, 1);
-                (blk_status::OK, n as u64)
-            }
-            RequestType::Discard | RequestType::WriteZeroes => {
-                let wz = req.kind == RequestType::WriteZeroes;
-                let bit = if wz {
-                    feature::WRITE_ZEROES
-                } else {
-                    feature::DISCARD
-                };
-                if self.acked & bit == 0 {
-                    return (blk_status::UNSUPP, 0);
-                }
-                if self.disk.read_only() {
-                    return (blk_status::IOERR, 0);
-                }
-                let status = self.ranges(mem, req, wz);
-                if status == blk_status::OK {
-                    add(&st.other_ops, 1);
-                }
-                (status, 0)
-            }
-            RequestType::Unsupported(_) => (blk_status::UNSUPP, 0),
-        }
-    }
-
-    /// Discard / write-zeroes: validates every range first, then applies.
-    fn ranges(&mut self, mem: &GuestMemoryMmap, req: &Request, wz: bool) -> u8 {
-        let count = req.data_len / request::RANGE_LEN;
-        if count == 0 || count > u64::from(MAX_DISCARD_SEG) {
-            return blk_status::IOERR;
-        }
-        let mut raw = vec![0u8; req.data_len as usize];
-        let mut at = 0;
-        for s in &req.data {
-            let k = s.len as usize;
-            if mem.read_slice(&mut raw[at..at + k], s.addr).is_err() {
-                return blk_status::IOERR;
-            }
-            at += k;
-        }
-        let mut ranges = Vec::with_capacity(count as usize);
-        for r in raw.chunks_exact(request::RANGE_LEN as usize) {
-            let sector = u64::from_le_bytes(r[0..8].try_into().unwrap());
-            let num = u32::from_le_bytes(r[8..12].try_into().unwrap());
-            let flags = u32::from_le_bytes(r[12..16].try_into().unwrap());
-            let allowed = if wz { WZ_UNMAP } else { 0 };
-            if flags & !allowed != 0 {
-                return blk_status::UNSUPP;
-            }
-            if num > MAX_DISCARD_SECTORS {
-                return blk_status::IOERR;
-            }
-            let len = u64::from(num) * SECTOR_SIZE;
-            let Some(off) = self.range(sector, len) else {
-                return blk_status::IOERR;
-            };
-            ranges.push((off, len, flags & WZ_UNMAP != 0));
-        }
-        for (off, len, unmap) in ranges {
-            let r = if wz {
-                self.disk.write_zeroes(off, len, unmap)
-            } else {
-                self.disk.discard(off, len)
-            };
-            if let Err(e) = r {
-                tracing::debug!("virtio-blk: discard/write-zeroes failed: {e}");
-                return blk_status::IOERR;
-            }
-        }
-        blk_status::OK
-    }
 }
 
 impl VirtioDevice for Block {
@@ -752,6 +303,10 @@ impl VirtioDevice for Block {
 
     fn config_space(&self) -> &[u8] {
         &self.config
+    }
+
+    fn guest_log(&self) -> Arc<GuestLog> {
+        self.engine.log.clone()
     }
 
     fn write_config(&mut self, _offset: u64, _data: &[u8]) -> bool {
@@ -796,32 +351,7 @@ impl VirtioDevice for Block {
     }
 }
 
-impl MutEventSubscriber for Block {
-    fn process(&mut self, events: Events, _ops: &mut EventOps) {
-        match events.data() {
-            TIMER_TOKEN => {
-                self.timer.drain();
-                self.process_queue();
-            }
-            0 => {
-                // Drain the notification; if the gate holds a request,
-                // process_queue returns at once (the timer resumes us).
-                let _ = self.queue_evts[0].read();
-                self.process_queue_polling();
-            }
-            other => tracing::warn!("virtio-blk: unexpected event token {other}"),
-        }
-    }
-
-    fn init(&mut self, ops: &mut EventOps) {
-        if let Err(e) = ops.add(Events::with_data(&self.queue_evts[0], 0, EventSet::IN)) {
-            tracing::error!("virtio-blk: cannot watch the queue eventfd: {e:?}");
-        }
-        if let Err(e) = ops.add(Events::with_data(&self.timer, TIMER_TOKEN, EventSet::IN)) {
-            tracing::error!("virtio-blk: cannot watch the throttle timer: {e:?}");
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_hostile;

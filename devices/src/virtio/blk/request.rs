@@ -5,14 +5,14 @@
 //! `sector`), the device-writable part ends with the 1-byte status; what lies
 //! between is the data. Everything is checked before any I/O: descriptor
 //! addresses inside guest memory, readable before writable, the data on the
-//! side its type needs, nothing on the other side. Virtio-queue bounds the
-//! chain (at most queue-size descriptors, or the indirect table's size, no
-//! loops, total length below 4 GiB).
+//! side its type needs, nothing on the other side. The chain is walked by
+//! [`chain::walk`], which reports loops, bad indices, nested indirect
+//! tables and chains over 4 GiB as errors (answered IOERR when the chain
+//! has a writable status byte) instead of ending the chain quietly.
 
-use std::ops::Deref;
-
-use virtio_queue::DescriptorChain;
 use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
+
+use super::chain::{self, ChainError};
 
 /// `VIRTIO_BLK_T_IN`.
 pub const T_IN: u32 = 0;
@@ -119,6 +119,9 @@ pub enum ParseError {
     /// Data length not a multiple of the sector (or range) size.
     #[error("bad data length")]
     BadLength,
+    /// The chain itself is broken (loop, bad index, too long, ...).
+    #[error(transparent)]
+    Chain(ChainError),
 }
 
 /// A request that failed parsing: where to put the error status, if
@@ -166,49 +169,42 @@ fn total(segs: &[Segment]) -> u64 {
     segs.iter().map(|s| u64::from(s.len)).sum()
 }
 
-/// Parses `chain` into a [`Request`].
-pub fn parse<M>(chain: DescriptorChain<M>, mem: &GuestMemoryMmap) -> Result<Request, Malformed>
-where
-    M: Deref,
-    M::Target: vm_memory::GuestMemory,
-{
-    let head = chain.head_index();
+/// Parses the chain at `head` of the descriptor table at `table` (of
+/// `queue_size` entries) into a [`Request`].
+pub fn parse(
+    mem: &GuestMemoryMmap,
+    table: GuestAddress,
+    queue_size: u16,
+    head: u16,
+) -> Result<Request, Malformed> {
+    let walked = chain::walk(mem, table, queue_size, head, MAX_DESCRIPTORS);
+    let mut error = walked.error.map(ParseError::Chain);
+    if walked.dropped > 0 {
+        error.get_or_insert(ParseError::TooManyDescriptors);
+    }
+    if walked.readable_after_writable {
+        error.get_or_insert(ParseError::ReadableAfterWritable);
+    }
     let mut readable = Vec::new();
     let mut writable = Vec::new();
-    let mut error = None;
-    let mut count = 0usize;
-    let mut last_writable: Option<Segment> = None;
-    for d in chain {
-        if d.len() == 0 {
-            continue;
-        }
+    for d in &walked.descs {
         let seg = Segment {
-            addr: d.addr(),
-            len: d.len(),
+            addr: d.addr,
+            len: d.len,
         };
-        count += 1;
-        if d.is_write_only() {
-            last_writable = Some(seg);
-        } else if last_writable.is_some() {
-            error.get_or_insert(ParseError::ReadableAfterWritable);
-        }
-        if count > MAX_DESCRIPTORS {
-            // Keep walking only to find the status byte.
-            error.get_or_insert(ParseError::TooManyDescriptors);
-            continue;
-        }
         if !in_memory(mem, seg.addr, seg.len) {
             error.get_or_insert(ParseError::OutOfMemory);
         }
-        if d.is_write_only() {
+        if d.write {
             writable.push(seg);
         } else {
             readable.push(seg);
         }
     }
+    let last_writable = walked.last_writable;
     // The status is the last writable byte.
     let status = last_writable.and_then(|s| {
-        let a = s.addr.0.checked_add(u64::from(s.len) - 1)?;
+        let a = s.addr.0.checked_add(u64::from(s.len).checked_sub(1)?)?;
         in_memory(mem, GuestAddress(a), 1).then_some(GuestAddress(a))
     });
     let Some(status) = status else {

@@ -1,0 +1,32 @@
+//! The device thread's view of a disk: its queue eventfd and throttle timer.
+
+use event_manager::{EventOps, EventSet, Events, MutEventSubscriber};
+
+use super::{Block, TIMER_TOKEN};
+
+impl MutEventSubscriber for Block {
+    fn process(&mut self, events: Events, _ops: &mut EventOps) {
+        match events.data() {
+            TIMER_TOKEN => {
+                self.timer.drain();
+                self.process_queue();
+            }
+            0 => {
+                // Drain the notification; if the gate holds a request,
+                // process_queue returns at once (the timer resumes us).
+                let _ = self.queue_evts[0].read();
+                self.process_queue_polling();
+            }
+            other => tracing::warn!("virtio-blk: unexpected event token {other}"),
+        }
+    }
+
+    fn init(&mut self, ops: &mut EventOps) {
+        if let Err(e) = ops.add(Events::with_data(&self.queue_evts[0], 0, EventSet::IN)) {
+            tracing::error!("virtio-blk: cannot watch the queue eventfd: {e:?}");
+        }
+        if let Err(e) = ops.add(Events::with_data(&self.timer, TIMER_TOKEN, EventSet::IN)) {
+            tracing::error!("virtio-blk: cannot watch the throttle timer: {e:?}");
+        }
+    }
+}

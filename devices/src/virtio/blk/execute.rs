@@ -1,0 +1,261 @@
+//! Executing a parsed request against the disk and completing it.
+
+use virtio_queue::QueueT;
+use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
+
+use super::gate::{Nanos, OpKind, RequestGate, monotonic_ns};
+use super::queue::break_ring;
+use super::request::{self, Malformed, Request, RequestType};
+use super::stats::add;
+use super::{
+    Active, Engine, MAX_DISCARD_SECTORS, MAX_DISCARD_SEG, SECTOR_SIZE, WZ_UNMAP, blk_status,
+    feature,
+};
+use crate::guest_log::GuestErrorKind;
+
+impl Engine {
+    fn finish(&self, act: &mut Active, head: u16, status: Option<(GuestAddress, u8)>, len: u32) {
+        if let Some((addr, s)) = status
+            && act.mem.write_obj(s, addr).is_err()
+        {
+            // Checked at parse time; cannot happen.
+            add(&self.stats.no_status, 1);
+        }
+        if let Err(e) = act.queue.add_used(&act.mem, head, len) {
+            break_ring(act, self, format_args!("cannot add a used entry: {e}"));
+        }
+    }
+
+    pub(super) fn malformed(&self, act: &mut Active, m: Malformed) {
+        match m.status {
+            Some(addr) => {
+                self.log.report(
+                    GuestErrorKind::MalformedRequest,
+                    format_args!(
+                        "virtio-blk: malformed request (head {}): {}",
+                        m.head, m.error
+                    ),
+                );
+                add(&self.stats.malformed, 1);
+                add(&self.stats.io_errors, 1);
+                self.finish(act, m.head, Some((addr, blk_status::IOERR)), 1);
+            }
+            None => {
+                self.log.report(
+                    GuestErrorKind::NoStatus,
+                    format_args!(
+                        "virtio-blk: request without a status byte (head {}): {}",
+                        m.head, m.error
+                    ),
+                );
+                add(&self.stats.no_status, 1);
+                self.finish(act, m.head, None, 0);
+            }
+        }
+    }
+
+    /// Executes `req` and puts it in the used ring.
+    pub(super) fn complete(
+        &mut self,
+        act: &mut Active,
+        gate: Option<&mut (dyn RequestGate + 'static)>,
+        req: &Request,
+        taken_at: Nanos,
+    ) {
+        let (status, written) = self.execute(&act.mem, req);
+        match status {
+            blk_status::OK => {}
+            blk_status::UNSUPP => add(&self.stats.unsupported, 1),
+            _ => add(&self.stats.io_errors, 1),
+        }
+        // Used length: bytes written into the chain, status included.
+        let len = u32::try_from(written).map_or(u32::MAX, |w| w.saturating_add(1));
+        self.finish(act, req.head, Some((req.status, status)), len);
+        if let Some(g) = gate {
+            let kind = match req.kind {
+                RequestType::In => OpKind::Read,
+                RequestType::Out => OpKind::Write,
+                _ => OpKind::Other,
+            };
+            g.record_latency(kind, monotonic_ns().saturating_sub(taken_at));
+        }
+    }
+
+    /// Reports a refused request through the guest log; returns IOERR.
+    fn refuse(&self, kind: GuestErrorKind, msg: std::fmt::Arguments<'_>) -> u8 {
+        self.log
+            .report(kind, format_args!("virtio-blk: request refused: {msg}"));
+        blk_status::IOERR
+    }
+
+    fn out_of_range(&self, req: &Request) -> u8 {
+        let (s, n) = (req.sector, req.data_len);
+        let k = GuestErrorKind::OutOfRange;
+        self.refuse(k, format_args!("{n} bytes at sector {s} beyond the disk"))
+    }
+
+    fn read_only(&self, req: &Request) -> u8 {
+        let k = GuestErrorKind::ReadOnly;
+        self.refuse(k, format_args!("{:?} on a read-only disk", req.kind))
+    }
+
+    fn unsupported(&self, req: &Request) -> u8 {
+        let k = GuestErrorKind::Unsupported;
+        self.refuse(k, format_args!("type {:?} not supported", req.kind));
+        blk_status::UNSUPP
+    }
+
+    /// Byte offset of a range of `len` bytes at `sector`, if inside the disk.
+    fn range(&self, sector: u64, len: u64) -> Option<u64> {
+        let off = sector.checked_mul(SECTOR_SIZE)?;
+        (off.checked_add(len)? <= self.disk.capacity()).then_some(off)
+    }
+
+    /// Returns (status, bytes written to guest data buffers).
+    fn execute(&mut self, mem: &GuestMemoryMmap, req: &Request) -> (u8, u64) {
+        let st = self.stats.clone();
+        match req.kind {
+            RequestType::In => {
+                let Some(off) = self.range(req.sector, req.data_len) else {
+                    return (self.out_of_range(req), 0);
+                };
+                match self.disk.read(mem, &req.data, off) {
+                    Ok(()) => {
+                        add(&st.read_ops, 1);
+                        add(&st.read_bytes, req.data_len);
+                        (blk_status::OK, req.data_len)
+                    }
+                    Err(e) => {
+                        let k = GuestErrorKind::HostIo;
+                        (
+                            self.refuse(k, format_args!("read at {off:#x} failed: {e}")),
+                            0,
+                        )
+                    }
+                }
+            }
+            RequestType::Out => {
+                if self.disk.read_only() {
+                    return (self.read_only(req), 0);
+                }
+                let Some(off) = self.range(req.sector, req.data_len) else {
+                    return (self.out_of_range(req), 0);
+                };
+                match self.disk.write(mem, &req.data, off) {
+                    Ok(()) => {
+                        add(&st.write_ops, 1);
+                        add(&st.write_bytes, req.data_len);
+                        (blk_status::OK, 0)
+                    }
+                    Err(e) => {
+                        let k = GuestErrorKind::HostIo;
+                        (
+                            self.refuse(k, format_args!("write at {off:#x} failed: {e}")),
+                            0,
+                        )
+                    }
+                }
+            }
+            RequestType::Flush => match self.disk.flush() {
+                Ok(()) => {
+                    add(&st.flush_ops, 1);
+                    (blk_status::OK, 0)
+                }
+                Err(e) => {
+                    let k = GuestErrorKind::HostIo;
+                    (self.refuse(k, format_args!("fdatasync failed: {e}")), 0)
+                }
+            },
+            RequestType::GetId => {
+                let n = req.data_len.min(20) as usize;
+                let mut cursor = 0usize;
+                for s in &req.data {
+                    if cursor >= n {
+                        break;
+                    }
+                    let k = (s.len as usize).min(n - cursor);
+                    if mem
+                        .write_slice(&self.serial[cursor..cursor + k], s.addr)
+                        .is_err()
+                    {
+                        return (blk_status::IOERR, cursor as u64);
+                    }
+                    cursor += k;
+                }
+                add(&st.other_ops, 1);
+                (blk_status::OK, n as u64)
+            }
+            RequestType::Discard | RequestType::WriteZeroes => {
+                let wz = req.kind == RequestType::WriteZeroes;
+                let bit = if wz {
+                    feature::WRITE_ZEROES
+                } else {
+                    feature::DISCARD
+                };
+                if self.acked & bit == 0 {
+                    return (self.unsupported(req), 0);
+                }
+                if self.disk.read_only() {
+                    return (self.read_only(req), 0);
+                }
+                let status = self.ranges(mem, req, wz);
+                if status == blk_status::OK {
+                    add(&st.other_ops, 1);
+                }
+                (status, 0)
+            }
+            RequestType::Unsupported(_) => (self.unsupported(req), 0),
+        }
+    }
+
+    /// Discard / write-zeroes: validates every range first, then applies.
+    fn ranges(&mut self, mem: &GuestMemoryMmap, req: &Request, wz: bool) -> u8 {
+        let count = req.data_len / request::RANGE_LEN;
+        if count == 0 || count > u64::from(MAX_DISCARD_SEG) {
+            let k = GuestErrorKind::MalformedRequest;
+            return self.refuse(k, format_args!("{count} discard/write-zeroes ranges"));
+        }
+        let mut raw = vec![0u8; req.data_len as usize];
+        let mut at = 0;
+        for s in &req.data {
+            let k = s.len as usize;
+            if mem.read_slice(&mut raw[at..at + k], s.addr).is_err() {
+                return blk_status::IOERR;
+            }
+            at += k;
+        }
+        let mut ranges = Vec::with_capacity(count as usize);
+        for r in raw.chunks_exact(request::RANGE_LEN as usize) {
+            let sector = u64::from_le_bytes(r[0..8].try_into().unwrap());
+            let num = u32::from_le_bytes(r[8..12].try_into().unwrap());
+            let flags = u32::from_le_bytes(r[12..16].try_into().unwrap());
+            let allowed = if wz { WZ_UNMAP } else { 0 };
+            if flags & !allowed != 0 {
+                let k = GuestErrorKind::Unsupported;
+                self.refuse(k, format_args!("range flags {flags:#x}"));
+                return blk_status::UNSUPP;
+            }
+            let len = u64::from(num) * SECTOR_SIZE;
+            let off = self
+                .range(sector, len)
+                .filter(|_| num <= MAX_DISCARD_SECTORS);
+            let Some(off) = off else {
+                let k = GuestErrorKind::OutOfRange;
+                return self.refuse(k, format_args!("range of {num} sectors at {sector}"));
+            };
+            ranges.push((off, len, flags & WZ_UNMAP != 0));
+        }
+        for (off, len, unmap) in ranges {
+            let r = if wz {
+                self.disk.write_zeroes(off, len, unmap)
+            } else {
+                self.disk.discard(off, len)
+            };
+            if let Err(e) = r {
+                let k = GuestErrorKind::HostIo;
+                return self.refuse(k, format_args!("discard/write-zeroes failed: {e}"));
+            }
+        }
+        blk_status::OK
+    }
+}
