@@ -110,6 +110,7 @@ const char *cmdline_parse(void)
 	params.blk_flush = 0;
 	params.blk_seed = 1;
 	params.blk_timeout_ms = 10000;
+	set_str(params.evil_case, sizeof(params.evil_case), "read", 4);
 	n_vmmio = 0;
 
 	const char *p = cmdline;
@@ -173,6 +174,10 @@ const char *cmdline_parse(void)
 			ok = parse_size(v, vl, &params.blk_seed);
 		} else if (str_eq_n(tok, kl, "probe.timeout_ms")) {
 			ok = num_param(v, vl, 1, 86400000, &params.blk_timeout_ms);
+		} else if (str_eq_n(tok, kl, "probe.case")) {
+			ok = vl > 0 && vl < sizeof(params.evil_case);
+			if (ok)
+				set_str(params.evil_case, sizeof(params.evil_case), v, vl);
 		} else if (str_eq_n(tok, kl, "cpus")) {
 			ok = num_param(v, vl, 1, MAX_CPUS, &params.cpus);
 		} else {

@@ -11,6 +11,7 @@ static const struct probe_mode *const modes[] = {
 	&mode_spin,
 	&mode_work,
 	&mode_blk,
+	&mode_evil,
 };
 
 void __attribute__((noreturn)) probe_finish(bool ok, const char *reason)

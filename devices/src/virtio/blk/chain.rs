@@ -52,6 +52,58 @@ pub enum ChainError {
     TooLong,
 }
 
+impl ChainError {
+    /// Whether the walk saw the whole chain, so that its last writable
+    /// buffer is the status byte: a loop was walked once round (up to the
+    /// first descriptor seen twice), an over-long chain to its end. A chain
+    /// cut off by a bad index, an unreadable or malformed indirect table
+    /// has its status somewhere the device cannot see.
+    pub fn status_known(self) -> bool {
+        matches!(self, Self::Loop | Self::TooLong)
+    }
+}
+
+/// Descriptors of one table already visited (a bit each).
+struct Seen {
+    small: [u64; 16],
+    big: Vec<u64>,
+}
+
+impl Seen {
+    fn new() -> Self {
+        Self {
+            small: [0; 16],
+            big: Vec::new(),
+        }
+    }
+
+    /// Forgets everything; tables up to 1024 entries need no allocation.
+    fn reset(&mut self, size: u16) {
+        self.small = [0; 16];
+        self.big.clear();
+        if size > 1024 {
+            self.big.resize(usize::from(size).div_ceil(64), 0);
+        }
+    }
+
+    /// Marks `i`; false if it was marked already.
+    fn mark(&mut self, i: u16) -> bool {
+        let words: &mut [u64] = if self.big.is_empty() {
+            &mut self.small
+        } else {
+            &mut self.big
+        };
+        let (w, b) = (usize::from(i / 64), 1u64 << (i % 64));
+        match words.get_mut(w) {
+            Some(x) if *x & b == 0 => {
+                *x |= b;
+                true
+            }
+            _ => false,
+        }
+    }
+}
+
 /// A chain as walked: the buffers up to the first fault, and the fault.
 #[derive(Debug, Default)]
 pub struct Walked {
@@ -97,17 +149,16 @@ pub fn walk(
     let mut size = queue_size;
     let mut index = head;
     let mut indirect = false;
-    // Descriptors visited in the current table: a chain can visit each at
-    // most once, so one more than the table holds is a loop.
-    let mut visited: u32 = 0;
+    // A chain visits each descriptor of a table at most once.
+    let mut seen = Seen::new();
+    seen.reset(size);
     let mut total: u64 = 0;
     loop {
         if index >= size {
             w.error.get_or_insert(ChainError::BadIndex);
             return w;
         }
-        visited += 1;
-        if visited > u32::from(size) {
+        if !seen.mark(index) {
             w.error.get_or_insert(ChainError::Loop);
             return w;
         }
@@ -129,7 +180,7 @@ pub fn walk(
             size = (u64::from(len) / DESC_LEN) as u16;
             index = 0;
             indirect = true;
-            visited = 0;
+            seen.reset(size);
             continue;
         }
         total += u64::from(len);
@@ -197,7 +248,18 @@ mod tests {
         put(&m, 0x800, 2, 0x3000, 1, F_WRITE | F_NEXT, 0);
         let w = walk(&m, GuestAddress(0), 8, 0, 1026);
         assert_eq!(w.error, Some(ChainError::Loop));
+        // Walked once round: the status is the last writable buffer.
+        assert_eq!(w.descs.len(), 3);
         assert_eq!(w.last_writable.unwrap().addr, GuestAddress(0x3000));
+        // A loop back into the middle of a big table.
+        put(&m, 0, 0, 0x800, 16 * 2000, F_INDIRECT, 0);
+        for i in 0..1999 {
+            put(&m, 0x800, i, 0x1000, 16, F_NEXT, i + 1);
+        }
+        put(&m, 0x800, 1999, 0x3000, 1, F_WRITE | F_NEXT, 1500);
+        let w = walk(&m, GuestAddress(0), 8, 0, 4000);
+        assert_eq!(w.error, Some(ChainError::Loop));
+        assert_eq!(w.descs.len(), 2000);
     }
 
     #[test]

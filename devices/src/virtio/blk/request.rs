@@ -201,7 +201,9 @@ pub fn parse(
             readable.push(seg);
         }
     }
-    let last_writable = walked.last_writable;
+    let last_writable = walked
+        .last_writable
+        .filter(|_| walked.error.is_none_or(ChainError::status_known));
     // The status is the last writable byte.
     let status = last_writable.and_then(|s| {
         let a = s.addr.0.checked_add(u64::from(s.len).checked_sub(1)?)?;

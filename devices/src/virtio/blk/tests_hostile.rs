@@ -133,3 +133,19 @@ fn head_beyond_the_table_needs_reset() {
     assert_ne!(h.r32(0x70) & status::DEVICE_NEEDS_RESET, 0);
     assert_eq!(h.ring.used_idx(), 0);
 }
+
+#[test]
+fn chain_cut_off_by_a_bad_next_has_no_known_status() {
+    let (_t, mut h) = harness();
+    // header -> data (next = 300, beyond the table): the status descriptor
+    // cannot be reached, and the device must not guess one in the data.
+    write_header(&h.mem, HDR, request::T_IN, 0);
+    h.mem.write_obj(0x77u8, GuestAddress(BUF + 511)).unwrap();
+    h.ring.write_desc(0, HDR, 16, F_NEXT, 1);
+    h.ring.write_desc(1, BUF, 512, F_NEXT | F_WRITE, 300);
+    h.ring.publish(0);
+    h.process();
+    assert_eq!(h.ring.used_idx(), 1);
+    assert_eq!(h.ring.used(0).1, 0);
+    assert_eq!(read_u8(&h.mem, BUF + 511), 0x77);
+}
