@@ -265,14 +265,16 @@ pub fn render(m: &Manager, format: Format) -> String {
     }
 
     // Guest-caused device errors (each also logged, rate-limited).
-    let gerr = r.counter(
+    let gerr = r.counts(
         "corral_guest_errors",
         "Guest-caused device errors (malformed requests, broken rings, bad registers, ...), by device and kind",
     );
     for v in &vms {
         for (device, kind, n) in &v.guest_errors {
-            let lb = l(&[("vm", &v.name), ("device", device), ("kind", kind)]);
-            gerr.get_or_create(&lb).inc_by(*n as f64);
+            gerr.set(
+                l(&[("vm", &v.name), ("device", device), ("kind", kind)]),
+                *n,
+            );
         }
     }
 

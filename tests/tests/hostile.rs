@@ -348,3 +348,41 @@ fn vcpu_fault_is_reported() {
     assert!(o.stderr_bytes <= LOG_BOUND);
     assert!(disk.unchanged());
 }
+
+/// The events are counted per VM, device and kind in the daemon's
+/// `/metrics` (`corral_guest_errors_total`).
+#[test]
+fn guest_errors_are_counted_in_metrics() {
+    use corral_tests::api::{Daemon, wait_until};
+    let d = Daemon::start(&[]);
+    let img = d.image_path("evil.img");
+    std::fs::write(&img, vec![0u8; 1 << 20]).unwrap();
+    for (name, case) in [("ev-ring", "avail0"), ("ev-regs", "mmio-fuzz")] {
+        let body = serde_json::json!({
+            "name": name, "memory_mib": 64,
+            "cmdline": format!("probe.mode=evil probe.case={case}"),
+            "disks": [{"id": "vda", "path": img, "readonly": true}]
+        });
+        let r = d.req("POST", "/v1/vms", Some(&body.to_string()));
+        assert_eq!(r.status, 201, "{}", r.text());
+    }
+    let value = |m: &str, vm: &str, kind: &str| {
+        let prefix =
+            format!(r#"corral_guest_errors_total{{vm="{vm}",device="vda",kind="{kind}"}} "#);
+        m.lines()
+            .find_map(|l| l.strip_prefix(&prefix)?.parse::<f64>().ok())
+    };
+    let m = wait_until(Duration::from_secs(20), || {
+        let m = d.req("GET", "/metrics", None).text();
+        (value(&m, "ev-ring", "broken_ring") == Some(1.0)
+            && value(&m, "ev-regs", "bad_register").is_some_and(|v| v > 100.0))
+        .then_some(m)
+    });
+    let m = m.unwrap_or_else(|| d.req("GET", "/metrics", None).text());
+    assert_eq!(value(&m, "ev-ring", "broken_ring"), Some(1.0), "{m}");
+    assert!(
+        value(&m, "ev-regs", "bad_register").is_some_and(|v| v > 100.0),
+        "{m}"
+    );
+    assert_eq!(value(&m, "ev-ring", "malformed_request"), Some(0.0), "{m}");
+}
