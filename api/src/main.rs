@@ -27,17 +27,34 @@ pub(crate) use corral_probe::PROBE_ELF;
     about = "KVM resource manager: VMs by class shares, exact I/O limits, REST API"
 )]
 struct Cli {
-    /// The daemon's Unix socket (client commands).
-    #[arg(long, global = true, env = "CORRAL_SOCKET")]
+    /// The daemon's Unix socket (client commands; also `serve`'s socket).
+    #[arg(long, env = "CORRAL_SOCKET", value_name = "PATH", help_heading = cli::CLIENT_HEADING)]
     socket: Option<PathBuf>,
     /// The daemon's TCP URL, e.g. http://127.0.0.1:7070 (client commands).
-    #[arg(long, global = true, env = "CORRAL_URL", conflicts_with = "socket")]
+    #[arg(
+        long,
+        env = "CORRAL_URL",
+        conflicts_with = "socket",
+        value_name = "URL",
+        help_heading = cli::CLIENT_HEADING
+    )]
     url: Option<String>,
     /// JSON output for scripts (client commands).
-    #[arg(long, global = true)]
+    #[arg(long, help_heading = cli::CLIENT_HEADING)]
     json: bool,
     #[command(subcommand)]
     cmd: Cmd,
+}
+
+impl Cli {
+    /// The client options given before the command (or in the environment).
+    fn client_opts(&self) -> cli::ClientOpts {
+        cli::ClientOpts {
+            socket: self.socket.clone(),
+            url: self.url.clone(),
+            json: self.json,
+        }
+    }
 }
 
 #[derive(Subcommand, Debug)]
@@ -52,25 +69,38 @@ enum Cmd {
     /// Run the daemon: many VMs, the REST API on a Unix socket (and TCP).
     Serve(ServeCmd),
     /// VMs: create, list, show, rm, pause, resume, move, console.
-    #[command(subcommand)]
-    Vm(cli::VmCmd),
+    Vm {
+        #[command(subcommand)]
+        cmd: cli::VmCmd,
+        #[command(flatten)]
+        opts: cli::ClientOpts,
+    },
     /// Resource classes: set, list, show, rm.
-    #[command(subcommand)]
-    Class(cli::ClassCmd),
+    Class {
+        #[command(subcommand)]
+        cmd: cli::ClassCmd,
+        #[command(flatten)]
+        opts: cli::ClientOpts,
+    },
     /// Disks: change limits live.
-    #[command(subcommand)]
-    Disk(cli::DiskCmd),
-    /// Live per-VM and per-class CPU use, refreshed every second.
+    Disk {
+        #[command(subcommand)]
+        cmd: cli::DiskCmd,
+        #[command(flatten)]
+        opts: cli::ClientOpts,
+    },
+    /// Live per-VM and per-class CPU and disk figures, refreshed every second.
     Top {
-        /// Print one sample and exit.
-        #[arg(long)]
-        once: bool,
-        /// Seconds between samples.
-        #[arg(long, default_value_t = 1.0)]
-        interval: f64,
+        #[command(flatten)]
+        args: cli::top::TopArgs,
+        #[command(flatten)]
+        opts: cli::ClientOpts,
     },
     /// The daemon's status.
-    Status,
+    Status {
+        #[command(flatten)]
+        opts: cli::ClientOpts,
+    },
     /// Start a daemon, run VMs in two classes, show the figures, clean up.
     Demo(demo::DemoArgs),
     /// Benchmarks: overhead, interference, throttle (report, plots, CSV);
@@ -127,6 +157,7 @@ fn main() -> ExitCode {
         return run::run(cli.args);
     }
     let cli = Cli::parse();
+    let outer = cli.client_opts();
     let builtin = || Arc::<[u8]>::from(PROBE_ELF);
     let fail = |msg: String| {
         eprintln!("corral: {msg}");
@@ -157,7 +188,15 @@ fn main() -> ExitCode {
         },
         Cmd::Bench { args } => bench_exec::exec(args),
         cmd => {
-            let client = match client::Client::from_args(cli.socket, cli.url) {
+            let opts = match &cmd {
+                Cmd::Vm { opts, .. }
+                | Cmd::Class { opts, .. }
+                | Cmd::Disk { opts, .. }
+                | Cmd::Top { opts, .. }
+                | Cmd::Status { opts } => opts.clone().or(outer),
+                _ => outer,
+            };
+            let client = match opts.client() {
                 Ok(c) => c,
                 Err(e) => return fail(e.to_string()),
             };
@@ -168,20 +207,27 @@ fn main() -> ExitCode {
                 Ok(rt) => rt,
                 Err(e) => return fail(format!("tokio runtime: {e}")),
             };
-            let json = cli.json;
+            let json = opts.json;
             let r = rt.block_on(async {
+                // Err(None): interrupted by Ctrl-C.
                 match cmd {
-                    Cmd::Vm(c) => cli::vm(&client, c, json).await,
-                    Cmd::Class(c) => cli::class(&client, c, json).await,
-                    Cmd::Disk(c) => cli::disk(&client, c, json).await,
-                    Cmd::Top { once, interval } => cli::top(&client, once, interval, json).await,
-                    Cmd::Status => cli::status(&client, json).await,
+                    Cmd::Vm { cmd, .. } => cli::vm(&client, cmd, json).await.map_err(Some),
+                    Cmd::Class { cmd, .. } => cli::class(&client, cmd, json).await.map_err(Some),
+                    Cmd::Disk { cmd, .. } => cli::disk(&client, cmd, json).await.map_err(Some),
+                    Cmd::Top { args, .. } => match cli::top::top(&client, args, json).await {
+                        Ok(cli::top::TopEnd::Interrupted) => Err(None),
+                        Ok(cli::top::TopEnd::Done) => Ok(()),
+                        Err(e) => Err(Some(e)),
+                    },
+                    Cmd::Status { .. } => cli::status(&client, json).await.map_err(Some),
                     _ => Ok(()),
                 }
             });
             match r {
                 Ok(()) => ExitCode::SUCCESS,
-                Err(e) => fail(e.to_string()),
+                Err(Some(e)) => fail(e.to_string()),
+                // The status of a command ended by SIGINT, as shells report it.
+                Err(None) => ExitCode::from(130),
             }
         }
     }

@@ -449,8 +449,9 @@ pub struct ServeArgs {
     /// Unix socket to listen on (mode 0600).
     #[arg(long, default_value = crate::client::DEFAULT_SOCKET)]
     pub socket: PathBuf,
-    /// Also listen on this TCP address (e.g. 127.0.0.1:7070).
-    #[arg(long)]
+    /// Also listen on this TCP address: HOST:PORT, the host a name
+    /// (`localhost:7070`) or an address (`127.0.0.1:7070`, `[::1]:7070`).
+    #[arg(long, value_name = "HOST:PORT", value_parser = parse_listen)]
     pub listen: Option<SocketAddr>,
     /// Allow a non-loopback --listen address (the API has no authentication).
     #[arg(long)]
@@ -468,6 +469,33 @@ pub struct ServeArgs {
     /// `cgroup` (Linux cgroups), or `none` (host scheduler only).
     #[arg(long, default_value = "gate")]
     pub cpu_backend: corral_vmm::manager::CpuBackend,
+}
+
+/// `--listen HOST:PORT`: an address as is; a name resolved, its first
+/// IPv4 address preferred (`localhost` is 127.0.0.1 without asking the
+/// resolver, as RFC 6761 has it).
+pub fn parse_listen(s: &str) -> Result<SocketAddr, String> {
+    if let Ok(a) = s.parse::<SocketAddr>() {
+        return Ok(a);
+    }
+    let (host, port) = s
+        .rsplit_once(':')
+        .ok_or_else(|| format!("{s}: expected HOST:PORT, e.g. localhost:7070"))?;
+    let port: u16 = port
+        .parse()
+        .map_err(|_| format!("{s}: {port:?} is not a port number"))?;
+    if host.eq_ignore_ascii_case("localhost") {
+        return Ok(SocketAddr::from(([127, 0, 0, 1], port)));
+    }
+    let addrs: Vec<SocketAddr> = std::net::ToSocketAddrs::to_socket_addrs(&(host, port))
+        .map_err(|e| format!("{s}: cannot resolve {host:?}: {e}"))?
+        .collect();
+    addrs
+        .iter()
+        .find(|a| a.is_ipv4())
+        .or(addrs.first())
+        .copied()
+        .ok_or_else(|| format!("{s}: {host:?} has no address"))
 }
 
 /// Errors of `corral serve`.

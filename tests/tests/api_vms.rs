@@ -459,7 +459,7 @@ fn cli_drives_the_daemon() {
     assert!(c1["cpu_pct"].as_f64().unwrap() > 10.0, "{j}");
     let (code, out, _) = cli(&["top", "--once", "--interval", "0.2"]);
     assert_eq!(code, Some(0));
-    assert!(out.contains("CPU%") && out.contains("EXPECTED%"), "{out}");
+    assert!(out.contains("CPU%") && out.contains("PROMISED%"), "{out}");
     // Errors come back as one clear line, exit 1.
     let (code, _, err) = cli(&["class", "rm", "bronze"]);
     assert_eq!(code, Some(1));

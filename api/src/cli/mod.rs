@@ -1,0 +1,562 @@
+//! The client commands: `corral vm|class|disk|top|status`, their options,
+//! and the parsing of limits and disks (output formatting in [`table`],
+//! `corral top` in [`top`]).
+
+pub mod parse;
+pub mod table;
+pub mod top;
+
+use std::io::Write;
+use std::path::PathBuf;
+
+use clap::Subcommand;
+use http_body_util::BodyExt;
+use hyper::Method;
+
+use crate::client::{Client, ClientError, seg};
+use crate::dto;
+use parse::pct_or_none;
+use parse::{apply_limits, parse_disk, parse_limits};
+pub use table::table;
+use table::{opt, pct};
+pub use top::{print_top, sample, top_sample};
+
+/// The heading of the client options in `--help`.
+pub const CLIENT_HEADING: &str = "Client options";
+
+/// Where the daemon is, and how to print: options of every client command,
+/// accepted after the command (`corral vm list --json`) and, for the
+/// commands with subcommands, anywhere after it. The same options before
+/// the command (`corral --json vm list`) are the top level's.
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct ClientOpts {
+    /// The daemon's Unix socket [default: /run/corral/corral.sock; env: CORRAL_SOCKET].
+    #[arg(long, global = true, value_name = "PATH", help_heading = CLIENT_HEADING)]
+    pub socket: Option<PathBuf>,
+    /// The daemon's TCP URL, e.g. http://127.0.0.1:7070 [env: CORRAL_URL].
+    #[arg(long, global = true, value_name = "URL", help_heading = CLIENT_HEADING)]
+    pub url: Option<String>,
+    /// JSON output for scripts.
+    #[arg(long, global = true, help_heading = CLIENT_HEADING)]
+    pub json: bool,
+}
+
+impl ClientOpts {
+    /// These options where given, else `outer`'s (the ones before the
+    /// command, or the environment); `--json` in either place counts.
+    pub fn or(self, outer: ClientOpts) -> ClientOpts {
+        let json = self.json || outer.json;
+        if self.socket.is_some() || self.url.is_some() {
+            ClientOpts { json, ..self }
+        } else {
+            ClientOpts { json, ..outer }
+        }
+    }
+
+    /// The client for these options.
+    pub fn client(&self) -> Result<Client, ClientError> {
+        if self.socket.is_some() && self.url.is_some() {
+            return Err(ClientError::Usage(
+                "--socket and --url name two daemons: give one".into(),
+            ));
+        }
+        Client::from_args(self.socket.clone(), self.url.clone())
+    }
+}
+
+/// `corral vm ...`.
+#[derive(Subcommand, Debug)]
+pub enum VmCmd {
+    /// Create and start a VM (default guest: the built-in probe).
+    Create {
+        /// Name (default: assigned by the daemon).
+        name: Option<String>,
+        /// Class.
+        #[arg(long)]
+        class: Option<String>,
+        /// Weight within the class (1..10000, default 100).
+        #[arg(long)]
+        weight: Option<u32>,
+        /// vCPUs.
+        #[arg(long)]
+        vcpus: Option<u32>,
+        /// Memory in MiB.
+        #[arg(long)]
+        memory: Option<u64>,
+        /// Kernel file on the daemon's host.
+        #[arg(long)]
+        kernel: Option<String>,
+        /// Initrd file on the daemon's host.
+        #[arg(long)]
+        initrd: Option<String>,
+        /// Kernel command line (for the probe e.g. `probe.mode=spin probe.secs=30`).
+        #[arg(long)]
+        cmdline: Option<String>,
+        /// A disk: `PATH[,readonly][,direct][,id=NAME][,bps=N,iops=N,...]`.
+        #[arg(long)]
+        disk: Vec<String>,
+    },
+    /// List VMs.
+    #[command(alias = "ls")]
+    List,
+    /// Show one VM.
+    Show {
+        /// VM name.
+        name: String,
+    },
+    /// Stop and delete VMs.
+    #[command(alias = "delete")]
+    Rm {
+        /// VM names.
+        #[arg(required = true)]
+        names: Vec<String>,
+    },
+    /// Pause a VM's vCPUs.
+    Pause {
+        /// VM name.
+        name: String,
+    },
+    /// Resume a paused VM.
+    Resume {
+        /// VM name.
+        name: String,
+    },
+    /// Move a VM to another class, live.
+    Move {
+        /// VM name.
+        name: String,
+        /// Target class.
+        class: String,
+        /// New weight within the class.
+        #[arg(long)]
+        weight: Option<u32>,
+    },
+    /// Print a VM's console output.
+    Console {
+        /// VM name.
+        name: String,
+        /// Only the last N lines.
+        #[arg(long)]
+        tail: Option<usize>,
+        /// Keep printing new output until the VM stops (Ctrl-C to quit).
+        #[arg(short, long)]
+        follow: bool,
+    },
+}
+
+/// `corral class ...`.
+#[derive(Subcommand, Debug)]
+pub enum ClassCmd {
+    /// Create a class or change it (only the given settings change).
+    Set {
+        /// Class name.
+        name: String,
+        /// CPU shares (1..10000; default 100 for a new class).
+        #[arg(long)]
+        shares: Option<u32>,
+        /// CPU cap in percent of one CPU, or `none`.
+        #[arg(long)]
+        cap: Option<String>,
+        /// CPU reservation in percent of one CPU, or `none`.
+        #[arg(long)]
+        reservation: Option<String>,
+        /// I/O group limits: `bps=N,iops=N,...` (empty = none).
+        #[arg(long)]
+        io: Option<String>,
+    },
+    /// List classes.
+    #[command(alias = "ls")]
+    List,
+    /// Show one class.
+    Show {
+        /// Class name.
+        name: String,
+    },
+    /// Delete an empty class.
+    #[command(alias = "delete")]
+    Rm {
+        /// Class name.
+        name: String,
+    },
+}
+
+/// `corral disk ...`.
+#[derive(Subcommand, Debug)]
+pub enum DiskCmd {
+    /// Change a disk's limits live: `corral disk limit VM DISK bps=10M iops=500`.
+    ///
+    /// The given limits change and the others stay (`iops=500` keeps a
+    /// `bps` limit); `KEY=none` or `KEY=0` removes one. With `--replace`
+    /// the given limits are all the disk keeps.
+    Limit {
+        /// VM name.
+        vm: String,
+        /// Disk id.
+        disk: String,
+        /// `key=value` limits (bps, iops, rbps, wbps, riops, wiops, burst_bytes, burst_ops; sizes take K/M/G suffixes); none = unlimited.
+        limits: Vec<String>,
+        /// Replace all limits with the given ones (none given: unlimited).
+        #[arg(long)]
+        replace: bool,
+    },
+}
+
+/// Failure of a client command (message already formatted).
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct CliError(pub String);
+
+impl From<ClientError> for CliError {
+    fn from(e: ClientError) -> Self {
+        CliError(e.to_string())
+    }
+}
+
+type R = Result<(), CliError>;
+
+fn print_json(v: &impl serde::Serialize) {
+    match serde_json::to_string_pretty(v) {
+        Ok(s) => println!("{s}"),
+        Err(e) => eprintln!("corral: {e}"),
+    }
+}
+
+fn vm_rows(vms: &[dto::Vm]) -> Vec<Vec<String>> {
+    vms.iter()
+        .map(|v| {
+            vec![
+                v.name.clone(),
+                v.state.clone(),
+                v.class.clone(),
+                v.vcpus.to_string(),
+                v.memory_mib.to_string(),
+                format!("{:.2}", v.cpu_seconds),
+                v.uptime_seconds.map_or("-".into(), |u| format!("{u:.1}s")),
+                v.kernel.clone().unwrap_or_else(|| "probe".into()),
+            ]
+        })
+        .collect()
+}
+
+/// `corral vm ...`.
+pub async fn vm(c: &Client, cmd: VmCmd, json: bool) -> R {
+    match cmd {
+        VmCmd::Create {
+            name,
+            class,
+            weight,
+            vcpus,
+            memory,
+            kernel,
+            initrd,
+            cmdline,
+            disk,
+        } => {
+            let disks = disk
+                .iter()
+                .map(|d| parse_disk(d))
+                .collect::<Result<Vec<_>, _>>()?;
+            let body = dto::VmCreate {
+                name,
+                class,
+                weight,
+                vcpus,
+                memory_mib: memory,
+                kernel,
+                initrd,
+                cmdline,
+                disks,
+            };
+            let v: dto::Vm = c.json(Method::POST, "/v1/vms", Some(&body)).await?;
+            if json {
+                print_json(&v);
+            } else {
+                println!("{}", v.name);
+            }
+        }
+        VmCmd::List => {
+            let vms: Vec<dto::Vm> = c.get("/v1/vms").await?;
+            if json {
+                print_json(&vms);
+            } else {
+                table(
+                    &[
+                        "NAME", "STATE", "CLASS", "VCPUS", "MEM_MIB", "CPU_S", "UPTIME", "KERNEL",
+                    ],
+                    &vm_rows(&vms),
+                );
+            }
+        }
+        VmCmd::Show { name } => {
+            let v: dto::Vm = c.get(&format!("/v1/vms/{}", seg(&name))).await?;
+            if json {
+                print_json(&v);
+            } else {
+                table::show_vm(&v);
+            }
+        }
+        VmCmd::Rm { names } => {
+            let mut failed = None;
+            for n in names {
+                match c
+                    .raw(Method::DELETE, &format!("/v1/vms/{}", seg(&n)), None)
+                    .await
+                {
+                    Ok(_) => {
+                        if !json {
+                            println!("{n}");
+                        }
+                    }
+                    Err(e) => {
+                        eprintln!("corral: {n}: {e}");
+                        failed = Some(CliError(format!("could not delete {n}")));
+                    }
+                }
+            }
+            if let Some(e) = failed {
+                return Err(e);
+            }
+        }
+        VmCmd::Pause { name } => action(c, &name, "pause", json).await?,
+        VmCmd::Resume { name } => action(c, &name, "resume", json).await?,
+        VmCmd::Move {
+            name,
+            class,
+            weight,
+        } => {
+            let body = dto::MoveVm { class, weight };
+            let v: dto::Vm = c
+                .json(
+                    Method::POST,
+                    &format!("/v1/vms/{}/move", seg(&name)),
+                    Some(&body),
+                )
+                .await?;
+            if json {
+                print_json(&v);
+            } else {
+                println!("{} is now in class {}", v.name, v.class);
+            }
+        }
+        VmCmd::Console { name, tail, follow } => {
+            let mut q = vec![];
+            if let Some(t) = tail {
+                q.push(format!("tail={t}"));
+            }
+            if follow {
+                q.push("follow=true".into());
+            }
+            let path = format!("/v1/vms/{}/console?{}", seg(&name), q.join("&"));
+            let mut body = c.stream(&path).await?;
+            let mut out = std::io::stdout();
+            while let Some(frame) = body.frame().await {
+                let frame = frame.map_err(|e| CliError(format!("console stream: {e}")))?;
+                if let Some(data) = frame.data_ref() {
+                    let _ = out.write_all(data);
+                    let _ = out.flush();
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+async fn action(c: &Client, name: &str, what: &str, json: bool) -> R {
+    let v: dto::Vm = c
+        .json(
+            Method::POST,
+            &format!("/v1/vms/{}/{what}", seg(name)),
+            None::<&()>,
+        )
+        .await?;
+    if json {
+        print_json(&v);
+    } else {
+        println!("{} is {}", v.name, v.state);
+    }
+    Ok(())
+}
+
+fn class_rows(cs: &[dto::Class]) -> Vec<Vec<String>> {
+    cs.iter()
+        .map(|c| {
+            vec![
+                c.name.clone(),
+                c.shares.to_string(),
+                opt(c.cap),
+                opt(c.reservation),
+                c.vms.len().to_string(),
+                format!("{:.2}", c.cpu_seconds),
+                pct(c.entitlement_pct),
+                {
+                    let s = table::limits(&c.io);
+                    if s == "none" { "-".into() } else { s }
+                },
+            ]
+        })
+        .collect()
+}
+
+/// `corral class ...`.
+pub async fn class(c: &Client, cmd: ClassCmd, json: bool) -> R {
+    match cmd {
+        ClassCmd::Set {
+            name,
+            shares,
+            cap,
+            reservation,
+            io,
+        } => {
+            let patch = dto::ClassPatch {
+                shares,
+                cap: cap.map(|s| pct_or_none("cap", &s)).transpose()?,
+                reservation: reservation
+                    .map(|s| pct_or_none("reservation", &s))
+                    .transpose()?,
+                io: io.map(|s| parse_limits(s.split(','))).transpose()?,
+            };
+            let path = format!("/v1/classes/{}", seg(&name));
+            let r: Result<dto::Class, _> = c.json(Method::PATCH, &path, Some(&patch)).await;
+            let cls = match r {
+                Err(ClientError::Api { status, .. }) if status == hyper::StatusCode::NOT_FOUND => {
+                    let body = dto::ClassCreate {
+                        name: name.clone(),
+                        shares: shares.unwrap_or(corral_scheduler::model::DEFAULT_SHARES),
+                        cap: patch.cap.flatten(),
+                        reservation: patch.reservation.flatten(),
+                        io: patch.io.unwrap_or_default(),
+                    };
+                    c.json(Method::POST, "/v1/classes", Some(&body)).await?
+                }
+                r => r?,
+            };
+            if json {
+                print_json(&cls);
+            } else {
+                table(
+                    &[
+                        "CLASS", "SHARES", "CAP%", "RESV%", "VMS", "CPU_S", "ENT%", "IO",
+                    ],
+                    &class_rows(std::slice::from_ref(&cls)),
+                );
+            }
+        }
+        ClassCmd::List => {
+            let cs: Vec<dto::Class> = c.get("/v1/classes").await?;
+            if json {
+                print_json(&cs);
+            } else {
+                table(
+                    &[
+                        "CLASS", "SHARES", "CAP%", "RESV%", "VMS", "CPU_S", "ENT%", "IO",
+                    ],
+                    &class_rows(&cs),
+                );
+            }
+        }
+        ClassCmd::Show { name } => {
+            let cls: dto::Class = c.get(&format!("/v1/classes/{}", seg(&name))).await?;
+            if json {
+                print_json(&cls);
+            } else {
+                table(
+                    &[
+                        "CLASS", "SHARES", "CAP%", "RESV%", "VMS", "CPU_S", "ENT%", "IO",
+                    ],
+                    &class_rows(std::slice::from_ref(&cls)),
+                );
+                if !cls.vms.is_empty() {
+                    println!("vms: {}", cls.vms.join(" "));
+                }
+            }
+        }
+        ClassCmd::Rm { name } => {
+            c.raw(Method::DELETE, &format!("/v1/classes/{}", seg(&name)), None)
+                .await?;
+            if !json {
+                println!("{name}");
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `corral disk ...`.
+pub async fn disk(c: &Client, cmd: DiskCmd, json: bool) -> R {
+    match cmd {
+        DiskCmd::Limit {
+            vm,
+            disk,
+            limits,
+            replace,
+        } => {
+            let items = limits.iter().flat_map(|s| s.split(','));
+            let l = if replace {
+                parse_limits(items)?
+            } else {
+                // Merge with what the disk has now.
+                let v: dto::Vm = c.get(&format!("/v1/vms/{}", seg(&vm))).await?;
+                let cur = v
+                    .disks
+                    .iter()
+                    .find(|d| d.id == disk)
+                    .ok_or_else(|| {
+                        let ids: Vec<&str> = v.disks.iter().map(|d| d.id.as_str()).collect();
+                        CliError(format!(
+                            "VM {vm} has no disk {disk:?} (its disks: {})",
+                            if ids.is_empty() {
+                                "none".to_string()
+                            } else {
+                                ids.join(", ")
+                            }
+                        ))
+                    })?
+                    .limits;
+                apply_limits(cur, items)?
+            };
+            let d: dto::Disk = c
+                .json(
+                    Method::PATCH,
+                    &format!("/v1/vms/{}/disks/{}", seg(&vm), seg(&disk)),
+                    Some(&l),
+                )
+                .await?;
+            if json {
+                print_json(&d);
+            } else {
+                println!("{vm}/{}: limits {}", d.id, table::limits(&d.limits));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `corral status`.
+pub async fn status(c: &Client, json: bool) -> R {
+    let s: dto::Status = c.get("/v1/status").await?;
+    if json {
+        print_json(&s);
+    } else {
+        println!("corral {} at {}", s.version, c.target());
+        println!(
+            "capacity {}% ({} reserved), {} VMs ({} running, max {}), {} vCPUs, {} / {} MiB guest memory",
+            s.capacity_pct,
+            s.reserved_pct,
+            s.vms,
+            s.running_vms,
+            s.max_vms,
+            s.vcpus,
+            s.memory_mib,
+            s.memory_budget_mib
+        );
+        println!(
+            "scheduler: {}",
+            if s.scheduler_ticks > 0 {
+                format!("{} ticks", s.scheduler_ticks)
+            } else {
+                "not running (shares are not enforced)".into()
+            }
+        );
+    }
+    Ok(())
+}
