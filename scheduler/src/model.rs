@@ -217,6 +217,10 @@ pub struct VmSpec {
     /// Number of vCPUs, `1..=`[`MAX_VCPUS`]. A VM can never use more than
     /// `vcpus × 100` percent.
     pub vcpus: u32,
+    /// Upper bound on the VM's CPU, in percent of one CPU (`>= 1`; libvirt's
+    /// `vcpu_quota` for the whole VM). Enforced even on an idle host, on top
+    /// of its class's cap.
+    pub cap: Option<u32>,
 }
 
 impl VmSpec {
@@ -226,7 +230,14 @@ impl VmSpec {
             class: class.into(),
             weight: DEFAULT_WEIGHT,
             vcpus,
+            cap: None,
         }
+    }
+
+    /// Builder: set the VM's own cap (percent of one CPU).
+    pub fn with_cap(mut self, cap: u32) -> Self {
+        self.cap = Some(cap);
+        self
     }
 
     /// Builder: set the weight.
@@ -237,7 +248,8 @@ impl VmSpec {
 
     fn validate(&self) -> Result<(), ModelError> {
         validate_weight(self.weight)?;
-        validate_vcpus(self.vcpus)
+        validate_vcpus(self.vcpus)?;
+        validate_cap(self.cap)
     }
 }
 
@@ -246,6 +258,13 @@ fn validate_weight(weight: u32) -> Result<(), ModelError> {
         Ok(())
     } else {
         Err(ModelError::InvalidWeight(weight))
+    }
+}
+
+fn validate_cap(cap: Option<u32>) -> Result<(), ModelError> {
+    match cap {
+        Some(0) => Err(ModelError::InvalidCap(0)),
+        _ => Ok(()),
     }
 }
 
@@ -611,6 +630,15 @@ impl Model {
         Ok(())
     }
 
+    /// Sets or removes a VM's own cap (live).
+    pub fn set_vm_cap(&mut self, id: VmId, cap: Option<u32>) -> Result<(), ModelError> {
+        validate_cap(cap)?;
+        let vm = self.vms.get_mut(&id).ok_or(ModelError::UnknownVm(id))?;
+        vm.cap = cap;
+        self.bump();
+        Ok(())
+    }
+
     /// Changes a VM's vCPU count (vCPU hotplug).
     pub fn set_vm_vcpus(&mut self, id: VmId, vcpus: u32) -> Result<(), ModelError> {
         validate_vcpus(vcpus)?;
@@ -805,6 +833,21 @@ mod tests {
             Err(ModelError::InvalidWeight(10_001))
         );
         m.set_vm_vcpus(VmId(1), 4).unwrap();
+        assert_eq!(
+            m.set_vm_cap(VmId(1), Some(0)),
+            Err(ModelError::InvalidCap(0))
+        );
+        assert_eq!(
+            m.add_vm(VmId(2), VmSpec::new("b", 1).with_cap(0)),
+            Err(ModelError::InvalidCap(0))
+        );
+        m.set_vm_cap(VmId(1), Some(50)).unwrap();
+        assert_eq!(m.vm(VmId(1)).unwrap().cap, Some(50));
+        m.set_vm_cap(VmId(1), None).unwrap();
+        assert_eq!(
+            m.set_vm_cap(VmId(9), None),
+            Err(ModelError::UnknownVm(VmId(9)))
+        );
         assert_eq!(m.vm(VmId(1)).unwrap().weight, 500);
         m.delete_class("a").unwrap();
         assert!(m.delete_class("b").is_err());

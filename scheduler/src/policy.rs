@@ -246,6 +246,12 @@ pub struct VmStats {
     pub weight: u32,
     /// Its vCPU count.
     pub vcpus: u32,
+    /// Its own cap, percent of one CPU.
+    pub cap: Option<u32>,
+    /// Remaining budget of its own cap, ns (only with a cap).
+    pub cap_budget_ns: Option<i64>,
+    /// Whether its own cap is what currently limits it.
+    pub cap_bound: bool,
     /// vCPUs that wanted CPU in the last tick.
     pub runnable_vcpus: u32,
     /// Current entitlement, percent of one CPU.
@@ -341,6 +347,12 @@ struct VmState {
     class: usize,
     weight: u32,
     vcpus: u32,
+    /// The VM's own cap, percent.
+    cap: Option<u32>,
+    /// Its cap budget, ns (like a class's; 0 without a cap).
+    budget: f64,
+    /// Whether its own cap is what limits it.
+    cap_bound: bool,
     last_total: Option<u64>,
     // Inputs of the current tick.
     used_ns: u64,
@@ -368,12 +380,26 @@ struct VmState {
 }
 
 impl VmState {
+    /// Demand bounded by the VM's own cap.
+    fn capped_demand(&self) -> f64 {
+        self.cap
+            .map_or(self.demand, |cap| self.demand.min(f64::from(cap)))
+    }
+
+    /// Whether the VM's own cap budget is spent.
+    fn cap_spent(&self) -> bool {
+        self.cap.is_some() && self.budget <= 0.0
+    }
+
     fn new(id: VmId, class: usize, spec: &VmSpec) -> Self {
         VmState {
             id,
             class,
             weight: spec.weight,
             vcpus: spec.vcpus,
+            cap: spec.cap,
+            budget: 0.0,
+            cap_bound: false,
             last_total: None,
             used_ns: 0,
             runnable: 0,
@@ -612,6 +638,7 @@ impl Policy {
                     s.class = class;
                     s.weight = spec.weight;
                     s.vcpus = spec.vcpus;
+                    s.cap = spec.cap;
                     s
                 }
                 None => VmState::new(id, class, spec),
@@ -808,7 +835,9 @@ impl Policy {
         *claimed_pct = 0.0;
         for c in classes.iter() {
             // fold from +0.0: an empty class's sum() would be -0.0 (shown as "-0.0").
-            let demand = vms[c.start..c.end].iter().fold(0.0, |a, v| a + v.demand);
+            let demand = vms[c.start..c.end]
+                .iter()
+                .fold(0.0, |a, v| a + v.capped_demand());
             let hi = c.spec.cap.map_or(demand, |cap| demand.min(f64::from(cap)));
             let lo = (c.spec.reserved_percent() as f64).min(hi);
             *claimed_pct += lo;
@@ -836,11 +865,15 @@ impl Policy {
             items.extend(vms[range.clone()].iter().map(|v| Wf {
                 w: f64::from(v.weight),
                 lo: 0.0,
-                hi: v.demand,
+                hi: v.capped_demand(),
             }));
             water_fill(items, c.ent, shares, events);
             for (v, &e) in vms[range].iter_mut().zip(shares.iter()) {
                 v.ent = e;
+                v.cap_bound = v.cap.is_some_and(|cap| {
+                    let cap = f64::from(cap);
+                    v.demand >= cap - 1e-9 && e >= cap - 1e-6
+                });
             }
         }
     }
@@ -865,6 +898,8 @@ impl Policy {
             if vm.parked
                 && vm.runnable > 0
                 && !c.cap_bound
+                && !vm.cap_bound
+                && !vm.cap_spent()
                 && !(c.spec.cap.is_some() && c.budget <= 0.0)
             {
                 waiting += vm.demand;
@@ -945,10 +980,18 @@ impl Policy {
                     excess += credit - keep;
                 }
                 credit = keep;
-            } else if vm.runnable > 0 && !self.classes[vm.class].cap_bound {
+            } else if vm.runnable > 0 && !self.classes[vm.class].cap_bound && !vm.cap_bound {
                 receivers += vm.ent;
             }
             vm.credit = credit.max(lower);
+            if let Some(cap) = vm.cap {
+                let rate = f64::from(cap) / 100.0;
+                let upper = period * rate;
+                let lower = -(upper + 2.0 * tick * f64::from(vm.vcpus));
+                vm.budget = (vm.budget + rate * dtf - used).clamp(lower, upper);
+            } else {
+                vm.budget = 0.0;
+            }
             vm.used_pct += alpha * (used / dtf * 100.0 - vm.used_pct);
         }
         if excess > 0.0 && receivers > 0.0 {
@@ -958,6 +1001,7 @@ impl Policy {
                 if vm.runnable > 0
                     && (vm.parked || vm.credit < upper)
                     && !self.classes[vm.class].cap_bound
+                    && !vm.cap_bound
                 {
                     vm.credit += per_pct * vm.ent;
                     if !vm.parked {
@@ -994,15 +1038,15 @@ impl Policy {
         candidates.clear();
         for (i, vm) in vms.iter_mut().enumerate() {
             let c = &classes[vm.class];
-            vm.run = if c.spec.cap.is_some() && c.budget <= 0.0 {
-                // Cap budget spent: parked even on an idle host.
+            vm.run = if (c.spec.cap.is_some() && c.budget <= 0.0) || vm.cap_spent() {
+                // Class or VM cap budget spent: parked even on an idle host.
                 false
             } else if vm.runnable == 0 {
                 // Idle VMs stay unparked so they react at once when they wake.
                 true
-            } else if c.cap_bound && vm.credit <= 0.0 {
-                // Held back by its class cap: no credit, no CPU, even if the
-                // host is idle.
+            } else if (c.cap_bound || vm.cap_bound) && vm.credit <= 0.0 {
+                // Held back by its class's or its own cap: no credit, no
+                // CPU, even if the host is idle.
                 false
             } else {
                 // Rank by lag: credit in units of the VM's own entitlement
@@ -1100,6 +1144,9 @@ impl Policy {
                 class: self.classes[v.class].name.clone(),
                 weight: v.weight,
                 vcpus: v.vcpus,
+                cap: v.cap,
+                cap_budget_ns: v.cap.map(|_| v.budget as i64),
+                cap_bound: v.cap_bound,
                 runnable_vcpus: v.runnable,
                 entitlement_pct: v.ent,
                 used_pct: v.used_pct,

@@ -103,6 +103,12 @@ impl Scheduler {
         self.synced(r)
     }
 
+    /// See [`Model::set_vm_cap`].
+    pub fn set_vm_cap(&mut self, id: VmId, cap: Option<u32>) -> Result<(), ModelError> {
+        let r = self.model.set_vm_cap(id, cap);
+        self.synced(r)
+    }
+
     /// See [`Model::set_vm_vcpus`].
     pub fn set_vm_vcpus(&mut self, id: VmId, vcpus: u32) -> Result<(), ModelError> {
         let r = self.model.set_vm_vcpus(id, vcpus);

@@ -579,7 +579,8 @@ impl Simulator {
                 vm.class.clone_from(&spec.class);
                 vm.vcpus = spec.vcpus;
             }
-            vm.capped = model.class(&vm.class).is_some_and(|c| c.cap.is_some());
+            vm.capped = model.class(&vm.class).is_some_and(|c| c.cap.is_some())
+                || model.vm(vm.id).is_some_and(|v| v.cap.is_some());
         }
         self.vms
             .sort_by(|a, b| a.class.cmp(&b.class).then(a.id.cmp(&b.id)));
