@@ -895,13 +895,11 @@ impl Policy {
         for vm in &self.vms {
             used_total += vm.used_ns as f64;
             let c = &self.classes[vm.class];
-            if vm.parked
-                && vm.runnable > 0
-                && !c.cap_bound
-                && !vm.cap_bound
-                && !vm.cap_spent()
-                && !(c.spec.cap.is_some() && c.budget <= 0.0)
-            {
+            let held_by_a_cap = c.cap_bound
+                || vm.cap_bound
+                || vm.cap_spent()
+                || (c.spec.cap.is_some() && c.budget <= 0.0);
+            if vm.parked && vm.runnable > 0 && !held_by_a_cap {
                 waiting += vm.demand;
             }
         }
