@@ -258,6 +258,9 @@ pub struct VmCreate {
     pub class: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub weight: Option<u32>,
+    /// The VM's own CPU cap, percent of one CPU.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cap: Option<u32>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub vcpus: Option<u32>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -284,6 +287,7 @@ impl VmCreate {
             name: self.name,
             class: self.class.unwrap_or(d.class),
             weight: self.weight.unwrap_or(d.weight),
+            cap: self.cap,
             vcpus: self.vcpus.unwrap_or(d.vcpus),
             memory_mib: self.memory_mib.unwrap_or(d.memory_mib),
             kernel: self.kernel.map(PathBuf::from),
@@ -302,6 +306,19 @@ impl VmCreate {
                 .collect(),
         }
     }
+}
+
+/// `PATCH /v1/vms/{id}`: absent fields are kept; `"cap": null` removes the
+/// VM's own cap.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VmPatch {
+    #[serde(
+        default,
+        deserialize_with = "double",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub cap: Option<Option<u32>>,
 }
 
 /// `POST /v1/vms/{id}/move`.
@@ -392,6 +409,7 @@ pub struct Vm {
     pub exit: Option<VmExit>,
     pub class: String,
     pub weight: u32,
+    pub cap: Option<u32>,
     pub vcpus: u32,
     pub memory_mib: u64,
     pub kernel: Option<String>,
@@ -430,6 +448,7 @@ impl From<VmInfo> for Vm {
             }),
             class: v.class,
             weight: v.weight,
+            cap: v.cap,
             vcpus: v.vcpus,
             memory_mib: v.memory_mib,
             kernel: v.kernel.map(|p| p.display().to_string()),

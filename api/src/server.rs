@@ -190,7 +190,10 @@ pub fn router(mgr: Arc<Manager>) -> Router {
                 .delete(delete_class),
         )
         .route("/v1/vms", get(list_vms).post(create_vm))
-        .route("/v1/vms/{name}", get(get_vm).delete(delete_vm))
+        .route(
+            "/v1/vms/{name}",
+            get(get_vm).patch(patch_vm).delete(delete_vm),
+        )
         .route("/v1/vms/{name}/pause", post(pause_vm))
         .route("/v1/vms/{name}/resume", post(resume_vm))
         .route("/v1/vms/{name}/move", post(move_vm))
@@ -331,6 +334,19 @@ async fn resume_vm(
     ApiPath(id): ApiPath<String>,
 ) -> ApiResult<Json<dto::Vm>> {
     let v = blocking(&s.mgr, move |m| m.resume_vm(&id)).await?;
+    Ok(Json(v.into()))
+}
+
+async fn patch_vm(
+    State(s): State<AppState>,
+    ApiPath(id): ApiPath<String>,
+    ApiJson(body): ApiJson<dto::VmPatch>,
+) -> ApiResult<Json<dto::Vm>> {
+    let v = blocking(&s.mgr, move |m| match body.cap {
+        Some(cap) => m.set_vm_cap(&id, cap),
+        None => m.get_vm(&id),
+    })
+    .await?;
     Ok(Json(v.into()))
 }
 

@@ -168,6 +168,19 @@ impl Bench {
         self.vms.len() - 1
     }
 
+    /// Sets or removes VM `i`'s own CPU cap (percent of one CPU) in the
+    /// backend in use: the gate policy's model, or the VM's cgroup.
+    pub fn set_vm_cap(&self, i: usize, cap: Option<u32>) {
+        let vm = &self.vms[i];
+        self.cpu
+            .with(|s| s.set_vm_cap(vm.id, cap))
+            .expect("set the VM's cap");
+        if let Some(cg) = &self.cg {
+            cg.set_vm_cap(&vm.class, &format!("vm{}", vm.id.0), cap)
+                .expect("cgroup VM cap");
+        }
+    }
+
     /// CPU used by each VM over `window` (after `warmup`), in % of one CPU.
     pub fn measure(&self, warmup: Duration, window: Duration) -> Vec<f64> {
         std::thread::sleep(warmup);

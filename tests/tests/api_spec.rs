@@ -156,6 +156,12 @@ fn cases() -> Vec<(&'static str, &'static str, String, Option<String>)> {
         ),
         ("get", "/v1/vms", "/v1/vms".into(), None),
         ("get", "/v1/vms/{name}", vm.into(), None),
+        (
+            "patch",
+            "/v1/vms/{name}",
+            vm.into(),
+            Some(r#"{"cap":50}"#.into()),
+        ),
         ("post", "/v1/vms/{name}/pause", format!("{vm}/pause"), None),
         (
             "post",

@@ -222,6 +222,48 @@ fn gate_cap_holds_beside_an_outside_busy_loop() {
     );
 }
 
+/// A VM's own cap (issue 13 item 3) beside an uncapped VM of the same
+/// class and an outside loop, under `backend`; returns the capped VM's CPU.
+fn vm_cap_beside_a_loop(backend: Backend) -> f64 {
+    let _g = HOST.lock().unwrap_or_else(|p| p.into_inner());
+    let outside = OutsideLoop::start();
+    let mut b = Bench::new(backend);
+    b.class("c", class(1, None, None));
+    let secs = (WARMUP + WINDOW).as_secs() + 10;
+    let capped = b.launch("c", 2, 32, &spin(secs));
+    b.launch("c", 2, 32, &spin(secs));
+    b.set_vm_cap(capped, Some(40));
+    let u = b.measure(WARMUP, WINDOW);
+    eprintln!(
+        "{backend:?} backend, a VM's own cap of 40 beside an uncapped VM of its class and one \
+         outside busy loop, {WINDOW:?}:\n  capped VM {:.1} % of one CPU (bound 35..=41), \
+         uncapped VM {:.1} %, outside loop {:.1} %",
+        u[0],
+        u[1],
+        outside.pct()
+    );
+    if backend == Backend::Gate {
+        print_scheduler(&b);
+    }
+    u[0]
+}
+
+#[test]
+fn gate_vm_cap_holds_beside_an_outside_busy_loop() {
+    let u = vm_cap_beside_a_loop(Backend::Gate);
+    assert!((35.0..=41.0).contains(&u), "capped VM used {u:.1} %");
+}
+
+#[test]
+fn cgroup_vm_cap_holds_beside_an_outside_busy_loop() {
+    if corral_vmm::cgroup::detect().is_none() {
+        eprintln!("SKIPPED: no cgroup cpu controller on this host");
+        return;
+    }
+    let u = vm_cap_beside_a_loop(Backend::Cgroup);
+    assert!((35.0..=41.0).contains(&u), "capped VM used {u:.1} %");
+}
+
 #[test]
 fn gate_reservation_holds_beside_an_outside_busy_loop() {
     let _g = HOST.lock().unwrap_or_else(|p| p.into_inner());

@@ -5,7 +5,8 @@
 //! the VM's group. Classes get their shares as `cpu.weight` (v2, 1..10000: the
 //! same scale) or `cpu.shares` (v1, shares × 10, so 1..10000 → 10..100000),
 //! their cap as `cpu.max` / `cpu.cfs_quota_us` over a 100 ms period; a VM's
-//! weight inside its class becomes the weight of its own group. cgroups have no
+//! weight inside its class becomes the weight of its own group, and its own
+//! cap (if any) the `cpu.max` / `cpu.cfs_quota_us` of that group. cgroups have no
 //! CPU *minimum*: reservations are enforced only by the gate backend (the
 //! cgroup backend still honours them in admission control).
 //!
@@ -178,6 +179,18 @@ impl CgroupBackend {
         Ok(())
     }
 
+    /// Sets or removes a VM's own cap on its group (`cpu.max` /
+    /// `cpu.cfs_quota_us` over 100 ms), below its class's.
+    pub fn set_vm_cap(
+        &self,
+        class: &str,
+        vm: &str,
+        cap_pct: Option<u32>,
+    ) -> Result<(), CgroupError> {
+        let dir = self.root.join(check_name(class)?).join(check_name(vm)?);
+        self.set_cap(&dir, cap_pct)
+    }
+
     /// Removes a VM's group (its threads must have exited or moved).
     pub fn remove_vm(&self, class: &str, vm: &str) -> Result<(), CgroupError> {
         let dir = self.root.join(check_name(class)?).join(check_name(vm)?);
@@ -303,6 +316,27 @@ mod tests {
             };
             let listed = fs::read_to_string(b.root().join("gold/vm1").join(file)).unwrap();
             assert!(listed.lines().any(|l| l.trim() == child.to_string()));
+            // A VM's own cap: 30 % of a CPU = 30 ms per 100 ms period.
+            b.set_vm_cap("gold", "vm1", Some(30)).unwrap();
+            let quota = |dir: &str| match b.version() {
+                CgroupVersion::V2 => fs::read_to_string(b.root().join(dir).join("cpu.max"))
+                    .unwrap()
+                    .trim()
+                    .to_string(),
+                CgroupVersion::V1 => {
+                    fs::read_to_string(b.root().join(dir).join("cpu.cfs_quota_us"))
+                        .unwrap()
+                        .trim()
+                        .to_string()
+                }
+            };
+            let want = match b.version() {
+                CgroupVersion::V2 => ("30000 100000", "max 100000"),
+                CgroupVersion::V1 => ("30000", "-1"),
+            };
+            assert_eq!(quota("gold/vm1"), want.0);
+            b.set_vm_cap("gold", "vm1", None).unwrap();
+            assert_eq!(quota("gold/vm1"), want.1);
             done_tx.send(()).unwrap();
             t.join().unwrap();
             b.remove_vm("gold", "vm1").unwrap();

@@ -214,6 +214,8 @@ pub struct VmRequest {
     pub class: String,
     /// Weight inside the class (1..=10000).
     pub weight: u32,
+    /// The VM's own CPU cap, percent of one CPU (`None` = only its class's).
+    pub cap: Option<u32>,
     /// vCPUs.
     pub vcpus: u32,
     /// Guest RAM in MiB.
@@ -234,6 +236,7 @@ impl Default for VmRequest {
             name: None,
             class: "default".into(),
             weight: corral_scheduler::model::DEFAULT_WEIGHT,
+            cap: None,
             vcpus: 1,
             memory_mib: 128,
             kernel: None,
@@ -380,6 +383,8 @@ pub struct VmInfo {
     pub class: String,
     /// Weight in the class.
     pub weight: u32,
+    /// The VM's own CPU cap, percent of one CPU.
+    pub cap: Option<u32>,
     /// vCPUs.
     pub vcpus: u32,
     /// Memory, MiB.
@@ -497,6 +502,8 @@ struct Entry {
     created: SystemTime,
     class: Mutex<String>,
     weight: AtomicU32,
+    /// The VM's own cap, percent of one CPU; 0 = none.
+    cap: AtomicU32,
     disks: Mutex<Vec<DiskInfo>>,
     /// Last CPU time read per vCPU thread (kept once the thread is gone).
     cpu_ns: Mutex<Vec<u64>>,
@@ -877,6 +884,7 @@ impl Manager {
             exit,
             class: lock(&e.class).clone(),
             weight: e.weight.load(Ordering::Relaxed),
+            cap: Some(e.cap.load(Ordering::Relaxed)).filter(|&c| c > 0),
             vcpus: e.request.vcpus,
             memory_mib: e.request.memory_mib,
             kernel: e.request.kernel.clone(),
@@ -1055,7 +1063,10 @@ impl Manager {
             }
             self.sched().add_vm(
                 id,
-                VmSpec::new(req.class.clone(), req.vcpus).with_weight(req.weight),
+                VmSpec {
+                    cap: req.cap,
+                    ..VmSpec::new(req.class.clone(), req.vcpus).with_weight(req.weight)
+                },
             )?;
             st.next_id += 1;
             st.starting
@@ -1078,6 +1089,7 @@ impl Manager {
                     created: SystemTime::now(),
                     class: Mutex::new(req.class.clone()),
                     weight: AtomicU32::new(req.weight),
+                    cap: AtomicU32::new(req.cap.unwrap_or(0)),
                     disks: Mutex::new(
                         req.disks
                             .iter()
@@ -1178,7 +1190,9 @@ impl Manager {
             ),
             CpuBackend::Cgroup => {
                 if let Some(cg) = &self.cgroup
-                    && let Err(e) = cg.place_vm(&req.class, name, req.weight, &vm_threads(&handle))
+                    && let Err(e) = cg
+                        .place_vm(&req.class, name, req.weight, &vm_threads(&handle))
+                        .and_then(|()| cg.set_vm_cap(&req.class, name, req.cap))
                 {
                     handle.stop();
                     handle.join();
@@ -1216,6 +1230,31 @@ impl Manager {
         }
         tracing::info!(vm = name, "VM deleted");
         Ok(self.vm_info(&e, None))
+    }
+
+    /// Sets or removes a VM's own CPU cap (percent of one CPU), live: the
+    /// gate backend's policy and the cgroup backend (`cpu.max` of the VM's
+    /// group) apply it from their next tick / at once.
+    pub fn set_vm_cap(&self, name: &str, cap: Option<u32>) -> Result<VmInfo, ManagerError> {
+        let e = {
+            let st = lock(&self.state);
+            let e = st
+                .vms
+                .get(name)
+                .cloned()
+                .ok_or_else(|| ManagerError::NotFound(format!("no VM named {name:?}")))?;
+            self.sched().set_vm_cap(e.id, cap)?;
+            e.cap.store(cap.unwrap_or(0), Ordering::Relaxed);
+            if let Some(cg) = &self.cgroup
+                && let Err(err) = cg.set_vm_cap(&lock(&e.class), &e.name, cap)
+            {
+                tracing::warn!(vm = name, "cgroup backend: {err}");
+            }
+            e
+        };
+        tracing::info!(vm = name, cap = ?cap, "VM cap set");
+        let stats = self.sched().stats();
+        Ok(self.vm_info(&e, Some(&stats)))
     }
 
     /// Pauses a VM's vCPUs (idempotent); 409 if it has stopped.
@@ -1285,7 +1324,11 @@ impl Manager {
             if let Some(cg) = &self.cgroup {
                 let old = lock(&e.class).clone();
                 let w = e.weight.load(Ordering::Relaxed);
-                if let Err(err) = cg.place_vm(class, &e.name, w, &vm_threads(&e.handle)) {
+                let cap = Some(e.cap.load(Ordering::Relaxed)).filter(|&c| c > 0);
+                if let Err(err) = cg
+                    .place_vm(class, &e.name, w, &vm_threads(&e.handle))
+                    .and_then(|()| cg.set_vm_cap(class, &e.name, cap))
+                {
                     tracing::warn!(vm = name, "cgroup backend: {err}");
                 } else {
                     let _ = cg.remove_vm(&old, &e.name);

@@ -77,6 +77,10 @@ pub enum VmCmd {
         /// Weight within the class (1..10000, default 100).
         #[arg(long)]
         weight: Option<u32>,
+        /// The VM's own CPU cap in percent of one CPU (on top of its
+        /// class's cap).
+        #[arg(long)]
+        cap: Option<u32>,
         /// vCPUs.
         #[arg(long)]
         vcpus: Option<u32>,
@@ -120,6 +124,14 @@ pub enum VmCmd {
     Resume {
         /// VM name.
         name: String,
+    },
+    /// Change a VM's settings, live.
+    Set {
+        /// VM name.
+        name: String,
+        /// The VM's own CPU cap in percent of one CPU, or `none`.
+        #[arg(long)]
+        cap: Option<String>,
     },
     /// Move a VM to another class, live.
     Move {
@@ -245,6 +257,7 @@ pub async fn vm(c: &Client, cmd: VmCmd, json: bool) -> R {
             name,
             class,
             weight,
+            cap,
             vcpus,
             memory,
             kernel,
@@ -260,6 +273,7 @@ pub async fn vm(c: &Client, cmd: VmCmd, json: bool) -> R {
                 name,
                 class,
                 weight,
+                cap,
                 vcpus,
                 memory_mib: memory,
                 kernel,
@@ -319,6 +333,26 @@ pub async fn vm(c: &Client, cmd: VmCmd, json: bool) -> R {
         }
         VmCmd::Pause { name } => action(c, &name, "pause", json).await?,
         VmCmd::Resume { name } => action(c, &name, "resume", json).await?,
+        VmCmd::Set { name, cap } => {
+            let body = dto::VmPatch {
+                cap: cap.map(|s| pct_or_none("cap", &s)).transpose()?,
+            };
+            let v: dto::Vm = c
+                .json(
+                    Method::PATCH,
+                    &format!("/v1/vms/{}", seg(&name)),
+                    Some(&body),
+                )
+                .await?;
+            if json {
+                print_json(&v);
+            } else {
+                match v.cap {
+                    Some(cap) => println!("{}: cap {cap}%", v.name),
+                    None => println!("{}: no cap of its own", v.name),
+                }
+            }
+        }
         VmCmd::Move {
             name,
             class,
