@@ -57,7 +57,7 @@ pub fn run(a: RunArgs) -> ExitCode {
         None => (KernelSource::Bytes(Arc::from(PROBE_ELF)), ""),
     };
     let mut cfg = VmConfig::new("run", kernel);
-    cfg.initrd = a.initrd;
+    cfg.initrd = a.initrd.map(corral_vmm::hostfile::HostImage::Path);
     cfg.cmdline = a.cmdline.unwrap_or_else(|| default_cmdline.to_string());
     cfg.vcpus = vcpus;
     cfg.memory_mib = a.memory;

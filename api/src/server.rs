@@ -72,7 +72,7 @@ impl From<ManagerError> for ApiError {
         if status == StatusCode::INTERNAL_SERVER_ERROR {
             tracing::error!("{e}");
         }
-        Self::new(status, code, e.to_string())
+        Self::new(status, e.code().unwrap_or(code), e.to_string())
     }
 }
 
@@ -478,9 +478,21 @@ pub struct ServeArgs {
     /// CPU capacity in percent of one CPU (default: the CPU affinity mask).
     #[arg(long)]
     pub capacity: Option<u64>,
-    /// Guest memory budget in MiB (default: host memory).
+    /// Guest memory budget in MiB (default: host memory less 10 % of it
+    /// or 1 GiB, whichever is larger).
     #[arg(long)]
     pub memory_budget: Option<u64>,
+    /// Most classes.
+    #[arg(long, default_value_t = corral_vmm::manager::DEFAULT_MAX_CLASSES)]
+    pub max_classes: usize,
+    /// A directory whose files clients may use as kernels, initrds and
+    /// disks (repeatable; created 0700 if missing). Nothing outside them is
+    /// opened, and no symbolic link is followed beneath them.
+    #[arg(long, value_name = "DIR", default_value = corral_vmm::hostfile::DEFAULT_IMAGE_DIR)]
+    pub image_dir: Vec<PathBuf>,
+    /// Accept block devices (beneath the image directories) as disks.
+    #[arg(long)]
+    pub allow_block_devices: bool,
     /// How CPU shares are enforced: `gate` (corral's scheduler thread),
     /// `cgroup` (Linux cgroups), or `none` (host scheduler only).
     #[arg(long, default_value = "gate")]
@@ -661,10 +673,15 @@ pub fn serve(args: ServeArgs, builtin: Arc<[u8]>) -> Result<(), ServeError> {
              pass --allow-remote to listen there anyway"
         )));
     }
+    let host_files =
+        corral_vmm::hostfile::HostPolicy::beneath(&args.image_dir, args.allow_block_devices)
+            .map_err(io("--image-dir"))?;
     let cfg = corral_vmm::manager::ManagerConfig {
         capacity: args.capacity.map(corral_scheduler::Capacity::from_percent),
         max_vms: args.max_vms,
         memory_budget_mib: args.memory_budget,
+        max_classes: args.max_classes,
+        host_files,
         builtin_kernel: Some(builtin),
         cpu_backend: args.cpu_backend,
         ..Default::default()

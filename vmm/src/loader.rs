@@ -2,7 +2,6 @@
 
 use std::fs::File;
 use std::io::{Read, Seek, SeekFrom};
-use std::path::Path;
 
 use linux_loader::loader::bootparam::{boot_e820_entry, boot_params, setup_header};
 use linux_loader::loader::{BzImage, Elf, KernelLoader};
@@ -164,20 +163,23 @@ pub fn load_kernel<R: Read + Seek + vm_memory::ReadVolatile>(
     }
 }
 
-/// Loads the initrd as high as possible below the kernel's limit, returns (addr, size).
+/// Loads the initrd (an open, checked file) as high as possible below the
+/// kernel's limit, returns (addr, size).
 pub fn load_initrd(
     mem: &GuestMemoryMmap,
-    path: &Path,
+    file: &File,
+    path: &str,
     max_addr: u64,
     kernel_end: u64,
 ) -> Result<(u64, u64), LoadError> {
-    let p = path.display().to_string();
+    let p = path.to_string();
     let io = |err| LoadError::InitrdIo {
         path: p.clone(),
         err,
     };
-    let mut f = File::open(path).map_err(io)?;
+    let mut f = file.try_clone().map_err(io)?;
     let size = f.metadata().map_err(io)?.len();
+    f.seek(SeekFrom::Start(0)).map_err(io)?;
     // Highest RAM below the gap and the kernel's limit.
     let top = mem
         .iter()

@@ -30,6 +30,8 @@ use corral_scheduler::{
 
 use crate::cgroup::CgroupBackend;
 use crate::cpusched::CpuScheduler;
+use crate::hostfile::{HostFileError, HostImage, HostPolicy};
+use crate::images::ImageBook;
 use crate::vm::{ExitReason, KernelSource, VmConfig, VmError, VmHandle};
 use corral_blkthrottle::ThrottleGroup;
 use corral_scheduler::Gate;
@@ -42,6 +44,8 @@ pub const MAX_NAME_LEN: usize = 64;
 pub const MAX_DISKS: usize = 16;
 /// Most vCPUs per VM accepted by the manager (KVM may allow fewer).
 pub const MAX_VM_VCPUS: u32 = 254;
+/// Most classes by default (`--max-classes`).
+pub const DEFAULT_MAX_CLASSES: usize = 1024;
 
 /// What kind of failure an error is; the API maps it to an HTTP status.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -79,6 +83,10 @@ pub enum ManagerError {
     /// The VM could not be started.
     #[error(transparent)]
     Vm(#[from] VmError),
+    /// A kernel, initrd or disk is refused by the host-path policy, locked
+    /// by another user, or cannot be opened.
+    #[error(transparent)]
+    HostFile(#[from] HostFileError),
     /// The manager is shutting down.
     #[error("the daemon is shutting down")]
     ShuttingDown,
@@ -99,7 +107,9 @@ impl ManagerError {
                 ModelErrorKind::Conflict => ErrorKind::Conflict,
                 ModelErrorKind::Refused => ErrorKind::Refused,
             },
+            Self::HostFile(h) => host_file_kind(h),
             Self::Vm(v) => match v {
+                VmError::HostFile(h) => host_file_kind(h),
                 VmError::Config(_) | VmError::Load(_) | VmError::Disk { .. } => ErrorKind::Invalid,
                 VmError::NoSuchDisk(_) => ErrorKind::NotFound,
                 VmError::Memory(_) => ErrorKind::Refused,
@@ -111,6 +121,35 @@ impl ManagerError {
             },
         }
     }
+}
+
+impl ManagerError {
+    /// A more specific API error code than the kind's, if any:
+    /// `path_policy` (400) and `image_locked` (409).
+    pub fn code(&self) -> Option<&'static str> {
+        let h = match self {
+            Self::HostFile(h) | Self::Vm(VmError::HostFile(h)) => h,
+            _ => return None,
+        };
+        match h {
+            HostFileError::Policy { .. } => Some("path_policy"),
+            HostFileError::Locked { .. } => Some("image_locked"),
+            HostFileError::Io { .. } => None,
+        }
+    }
+}
+
+fn host_file_kind(h: &HostFileError) -> ErrorKind {
+    match h {
+        HostFileError::Locked { .. } => ErrorKind::Conflict,
+        HostFileError::Policy { .. } | HostFileError::Io { .. } => ErrorKind::Invalid,
+    }
+}
+
+/// The default guest memory budget: host memory less what the host keeps,
+/// at least 10 % of it or 1 GiB, whichever is larger.
+pub fn default_memory_budget_mib(host_mib: u64) -> u64 {
+    host_mib.saturating_sub((host_mib / 10).max(1024))
 }
 
 /// Throttle limits of a disk or an I/O group. `None` (or 0) = no limit.
@@ -258,8 +297,14 @@ pub struct ManagerConfig {
     pub max_vms: usize,
     /// Most vCPUs over all VMs.
     pub max_total_vcpus: u32,
-    /// Most guest memory over all VMs, MiB; `None` = host memory.
+    /// Most guest memory over all VMs, MiB; `None` =
+    /// [`default_memory_budget_mib`] of the host's memory.
     pub memory_budget_mib: Option<u64>,
+    /// Most classes.
+    pub max_classes: usize,
+    /// Which kernels, initrds and disks may be opened (the daemon: beneath
+    /// its image directories; default: any, with the caller's rights).
+    pub host_files: HostPolicy,
     /// The built-in guest image used when a VM names no kernel.
     pub builtin_kernel: Option<Arc<[u8]>>,
     /// Classes created at start (e.g. `default`).
@@ -303,6 +348,8 @@ impl Default for ManagerConfig {
             max_vms: 256,
             max_total_vcpus: 1024,
             memory_budget_mib: None,
+            max_classes: DEFAULT_MAX_CLASSES,
+            host_files: HostPolicy::unrestricted(),
             builtin_kernel: None,
             initial_classes: vec![("default".into(), ClassConfig::default())],
             console_log_bytes: 256 * 1024,
@@ -578,6 +625,8 @@ pub struct Manager {
     cgroup: Option<CgroupBackend>,
     cfg: ManagerConfig,
     memory_budget_mib: u64,
+    /// Which VM holds which image (for the 409's message).
+    images: ImageBook,
 }
 
 impl std::fmt::Debug for Manager {
@@ -649,7 +698,7 @@ impl Manager {
         }
         let memory_budget_mib = cfg
             .memory_budget_mib
-            .or_else(crate::vm::host_memory_mib)
+            .or_else(|| crate::vm::host_memory_mib().map(default_memory_budget_mib))
             .unwrap_or(u64::MAX);
         let cgroup = match cfg.cpu_backend {
             CpuBackend::Cgroup => {
@@ -676,6 +725,7 @@ impl Manager {
             cgroup,
             cfg,
             memory_budget_mib,
+            images: ImageBook::default(),
         })
     }
 
@@ -764,6 +814,7 @@ impl Manager {
     pub fn create_class(&self, name: &str, cfg: ClassConfig) -> Result<ClassInfo, ManagerError> {
         cfg.io.validate()?;
         let mut st = lock(&self.state);
+        self.check_class_count(&st, name)?;
         self.sched().create_class(name, cfg.cpu)?;
         self.cgroup_class(name, &cfg);
         st.class_io.insert(name.to_string(), cfg.io);
@@ -781,6 +832,7 @@ impl Manager {
     ) -> Result<(bool, ClassInfo), ManagerError> {
         cfg.io.validate()?;
         let mut st = lock(&self.state);
+        self.check_class_count(&st, name)?;
         let created = self.sched().set_class(name, cfg.cpu)?;
         self.cgroup_class(name, &cfg);
         st.class_io.insert(name.to_string(), cfg.io);
@@ -832,6 +884,18 @@ impl Manager {
         }
         st.class_io.remove(name);
         st.class_groups.remove(name);
+        Ok(())
+    }
+
+    /// 422 if a new class `name` would exceed `max_classes` (every class
+    /// has an entry in `class_io`).
+    fn check_class_count(&self, st: &State, name: &str) -> Result<(), ManagerError> {
+        if !st.class_io.contains_key(name) && st.class_io.len() >= self.cfg.max_classes {
+            return Err(ManagerError::Refused(format!(
+                "this daemon has at most {} classes (--max-classes)",
+                self.cfg.max_classes
+            )));
+        }
         Ok(())
     }
 
@@ -999,17 +1063,8 @@ impl Manager {
                 )));
             }
             d.limits.validate()?;
-            let meta = std::fs::metadata(&d.path).map_err(|e| {
-                ManagerError::Invalid(format!("disk {}: {}: {e}", d.id, d.path.display()))
-            })?;
-            use std::os::unix::fs::FileTypeExt;
-            if !(meta.is_file() || meta.file_type().is_block_device()) {
-                return Err(ManagerError::Invalid(format!(
-                    "disk {}: {} is not a regular file or block device",
-                    d.id,
-                    d.path.display()
-                )));
-            }
+            // The file itself is opened and checked when the VM starts
+            // (hostfile: the path policy, file type and lock, on the fd).
         }
         Ok(())
     }
@@ -1137,8 +1192,45 @@ impl Manager {
         req: &VmRequest,
         class_group: Option<ThrottleGroup>,
     ) -> Result<(VmHandle, String), ManagerError> {
-        let (kernel, default_cmdline) = match (&req.kernel, &self.cfg.builtin_kernel) {
-            (Some(p), _) => (KernelSource::Path(p.clone()), DEFAULT_LINUX_CMDLINE),
+        let vcpus = u8::try_from(req.vcpus)
+            .map_err(|_| ManagerError::Invalid(format!("too many vCPUs: {}", req.vcpus)))?;
+        if req.kernel.is_none() && self.cfg.builtin_kernel.is_none() {
+            return Err(ManagerError::Invalid(
+                "no kernel given and this daemon has no built-in guest".into(),
+            ));
+        }
+        // Open (non-blocking), check and lock every file before anything
+        // else; released again if the start fails.
+        let disks: Vec<_> = req
+            .disks
+            .iter()
+            .map(|d| (d.path.as_path(), d.readonly, d.direct))
+            .collect();
+        let files = self.images.open_vm(
+            &self.cfg.host_files,
+            name,
+            req.kernel.as_deref(),
+            req.initrd.as_deref(),
+            &disks,
+        )?;
+        let r = self.start_opened(id, name, req, class_group, &files, vcpus);
+        if r.is_err() {
+            self.images.release(name, files.all());
+        }
+        r
+    }
+
+    fn start_opened(
+        &self,
+        id: VmId,
+        name: &str,
+        req: &VmRequest,
+        class_group: Option<ThrottleGroup>,
+        files: &crate::images::VmFiles,
+        vcpus: u8,
+    ) -> Result<(VmHandle, String), ManagerError> {
+        let (kernel, default_cmdline) = match (&files.kernel, &self.cfg.builtin_kernel) {
+            (Some(f), _) => (KernelSource::File(f.clone()), DEFAULT_LINUX_CMDLINE),
             (None, Some(b)) => (KernelSource::Bytes(b.clone()), ""),
             (None, None) => {
                 return Err(ManagerError::Invalid(
@@ -1146,10 +1238,8 @@ impl Manager {
                 ));
             }
         };
-        let vcpus = u8::try_from(req.vcpus)
-            .map_err(|_| ManagerError::Invalid(format!("too many vCPUs: {}", req.vcpus)))?;
         let mut cfg = VmConfig::new(name, kernel);
-        cfg.initrd = req.initrd.clone();
+        cfg.initrd = files.initrd.clone().map(HostImage::File);
         cfg.cmdline = req
             .cmdline
             .clone()
@@ -1160,7 +1250,8 @@ impl Manager {
         cfg.disks = req
             .disks
             .iter()
-            .map(|d| crate::vm::DiskConfig {
+            .zip(&files.disks)
+            .map(|(d, f)| crate::vm::DiskConfig {
                 spec: corral_devices::virtio::blk::DiskSpec {
                     path: d.path.clone(),
                     read_only: d.readonly,
@@ -1174,6 +1265,7 @@ impl Manager {
                 group: class_group
                     .clone()
                     .map(|g| (g, corral_blkthrottle::DEFAULT_WEIGHT)),
+                file: Some(f.clone()),
             })
             .collect();
         let gate = Arc::new(Gate::new());
@@ -1225,6 +1317,8 @@ impl Manager {
         };
         e.handle.stop();
         e.handle.join();
+        // Unlocked now, even if a console follower still holds the entry.
+        self.images.release(&e.name, e.handle.files().iter());
         if let Some(cg) = &self.cgroup {
             let _ = cg.remove_vm(&lock(&e.class), &e.name);
         }
@@ -1448,6 +1542,7 @@ impl Manager {
         for e in &entries {
             self.cpu.detach(e.id);
             e.handle.join();
+            self.images.release(&e.name, e.handle.files().iter());
             let _ = self.sched().remove_vm(e.id);
             if let Some(cg) = &self.cgroup {
                 let _ = cg.remove_vm(&lock(&e.class), &e.name);

@@ -1,7 +1,6 @@
 //! One VM: KVM fds, guest memory, boot payload, devices, vCPU threads and the
 //! device thread; its lifecycle from start to a recorded exit reason.
 
-use std::fs::File;
 use std::io::Cursor;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::thread::JoinHandleExt;
@@ -14,7 +13,7 @@ use std::time::{Duration, Instant};
 use corral_blkthrottle::{Limits, Throttle, ThrottleGroup};
 use corral_devices::acpi_pm::{self, AcpiPm};
 use corral_devices::bus::lock;
-use corral_devices::virtio::blk::{Block, DiskSpec};
+use corral_devices::virtio::blk::{Block, BlockOptions, DiskFile, DiskSpec};
 use corral_devices::virtio::mmio::QUEUE_NOTIFY;
 use corral_devices::virtio::{MMIO_WINDOW_SIZE, MmioTransport, VirtioDevice};
 use corral_devices::{Bus, ConsoleLog, GuestLog, I8042, SerialDevice};
@@ -26,14 +25,17 @@ use kvm_ioctls::{IoEventAddress, Kvm, VcpuFd, VmFd};
 use vm_memory::{Address, GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion};
 use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 
+use crate::hostfile::{HostFile, HostFileError, HostImage, Role};
 use crate::vcpu::{self, VcpuStats};
 use crate::{acpi, boot, cpuid, layout, loader, mptable};
 
 /// Where the kernel comes from.
 #[derive(Debug, Clone)]
 pub enum KernelSource {
-    /// A file on the host.
+    /// A file on the host, opened with the caller's rights.
     Path(PathBuf),
+    /// A file already opened (and locked) under a host-path policy.
+    File(HostFile),
     /// An image in memory (the built-in probe guest).
     Bytes(Arc<[u8]>),
 }
@@ -46,7 +48,7 @@ pub struct VmConfig {
     /// Kernel image.
     pub kernel: KernelSource,
     /// Optional initrd.
-    pub initrd: Option<PathBuf>,
+    pub initrd: Option<HostImage>,
     /// Kernel command line.
     pub cmdline: String,
     /// Number of vCPUs.
@@ -77,6 +79,9 @@ pub struct DiskConfig {
     pub limits: Limits,
     /// A shared limit (per class or named), if any, and this disk's weight in it.
     pub group: Option<(ThrottleGroup, u32)>,
+    /// The backing file, already opened (and locked) under a host-path
+    /// policy; `None`: [`crate::vm::start`] opens `spec.path` itself.
+    pub file: Option<HostFile>,
 }
 
 impl DiskConfig {
@@ -102,6 +107,7 @@ impl DiskConfig {
             spec,
             limits,
             group: None,
+            file: None,
         })
     }
 
@@ -229,6 +235,9 @@ pub enum VmError {
     /// ACPI tables.
     #[error(transparent)]
     Acpi(#[from] acpi::AcpiError),
+    /// A kernel, initrd or disk file is refused, locked or cannot be opened.
+    #[error(transparent)]
+    HostFile(#[from] HostFileError),
     /// A disk cannot be opened or set up.
     #[error("disk {name}: {msg}")]
     Disk {
@@ -275,9 +284,65 @@ pub fn max_vcpus(kvm: &Kvm) -> usize {
     kvm.get_max_vcpus().min(mptable::MAX_CPUS as usize)
 }
 
+/// The files of a VM, open and locked (see [`crate::hostfile`]).
+pub struct OpenFiles {
+    /// The kernel, unless it is built in.
+    pub kernel: Option<HostFile>,
+    /// The initrd.
+    pub initrd: Option<HostFile>,
+    /// The disks, in order.
+    pub disks: Vec<HostFile>,
+}
+
+impl OpenFiles {
+    fn all(&self) -> impl Iterator<Item = &HostFile> {
+        self.kernel
+            .iter()
+            .chain(self.initrd.iter())
+            .chain(self.disks.iter())
+    }
+}
+
+/// Opens (or takes the already open) kernel, initrd and disks: never waits
+/// on a FIFO, checks the file types on the opened fds, takes the image
+/// locks.
+pub fn open_files(cfg: &VmConfig) -> Result<OpenFiles, VmError> {
+    let kernel = match &cfg.kernel {
+        KernelSource::Path(p) => Some(HostImage::Path(p.clone()).open(Role::Kernel)?),
+        KernelSource::File(f) => Some(f.clone()),
+        KernelSource::Bytes(_) => None,
+    };
+    let initrd = match &cfg.initrd {
+        Some(i) => Some(i.open(Role::Initrd)?),
+        None => None,
+    };
+    let mut disks = Vec::new();
+    for d in &cfg.disks {
+        disks.push(match &d.file {
+            Some(f) => f.clone(),
+            None => HostImage::Path(d.spec.path.clone()).open(Role::Disk {
+                writable: !d.spec.read_only,
+                direct: d.spec.direct,
+            })?,
+        });
+    }
+    Ok(OpenFiles {
+        kernel,
+        initrd,
+        disks,
+    })
+}
+
 /// Checks a configuration without creating anything; the checks a user
-/// expects before anything starts.
-pub fn validate(cfg: &VmConfig, kvm: &Kvm) -> Result<(), VmError> {
+/// expects before anything starts. Opens (and so locks, until they are
+/// dropped) its files.
+pub fn validate(cfg: &VmConfig, kvm: &Kvm) -> Result<OpenFiles, VmError> {
+    let files = open_files(cfg)?;
+    check(cfg, &files, kvm)?;
+    Ok(files)
+}
+
+fn check(cfg: &VmConfig, files: &OpenFiles, kvm: &Kvm) -> Result<(), VmError> {
     if cfg.vcpus == 0 {
         return Err(VmError::Config("a VM needs at least 1 vCPU".into()));
     }
@@ -309,21 +374,21 @@ pub fn validate(cfg: &VmConfig, kvm: &Kvm) -> Result<(), VmError> {
             layout::CMDLINE_MAX
         )));
     }
-    match &cfg.kernel {
-        KernelSource::Path(p) => {
-            let path = p.display().to_string();
-            let mut f = File::open(p).map_err(|err| loader::LoadError::KernelIo {
-                path: path.clone(),
-                err,
-            })?;
-            if f.metadata().map(|m| m.is_dir()).unwrap_or(false) {
-                return Err(VmError::Config(format!("kernel {path} is a directory")));
-            }
+    match (&files.kernel, &cfg.kernel) {
+        (Some(k), _) => {
+            let path = k.path().display().to_string();
+            let mut f = k
+                .try_clone_file()
+                .map_err(|err| loader::LoadError::KernelIo {
+                    path: path.clone(),
+                    err,
+                })?;
             loader::probe_kernel(&mut f, &path)?;
         }
-        KernelSource::Bytes(b) => {
+        (None, KernelSource::Bytes(b)) => {
             loader::probe_kernel(&mut Cursor::new(&b[..]), "built-in probe")?;
         }
+        (None, _) => return Err(VmError::Config("the kernel is not open".into())),
     }
     if cfg.disks.len() > VIRTIO_IRQS.len() {
         return Err(VmError::Config(format!(
@@ -338,35 +403,15 @@ pub fn validate(cfg: &VmConfig, kvm: &Kvm) -> Result<(), VmError> {
         if !names.insert(name.clone()) {
             return Err(VmError::Config(format!("two disks are named {name:?}")));
         }
-        let meta = std::fs::metadata(&d.spec.path).map_err(|e| VmError::Disk {
-            name: name.clone(),
-            msg: format!("{}: {e}", d.spec.path.display()),
-        })?;
-        if meta.is_dir() {
-            return Err(VmError::Disk {
-                name,
-                msg: format!("{} is a directory", d.spec.path.display()),
-            });
-        }
     }
-    if let Some(p) = &cfg.initrd {
-        let meta = std::fs::metadata(p).map_err(|err| loader::LoadError::InitrdIo {
-            path: p.display().to_string(),
-            err,
-        })?;
-        if !meta.is_file() {
-            return Err(VmError::Config(format!(
-                "initrd {} is not a regular file",
-                p.display()
-            )));
-        }
-        if meta.len() >= cfg.memory_mib << 20 {
-            return Err(VmError::Config(format!(
-                "initrd {} ({} bytes) is larger than guest memory",
-                p.display(),
-                meta.len()
-            )));
-        }
+    if let Some(f) = &files.initrd
+        && f.len() >= cfg.memory_mib << 20
+    {
+        return Err(VmError::Config(format!(
+            "initrd {} ({} bytes) is larger than guest memory",
+            f.path().display(),
+            f.len()
+        )));
     }
     Ok(())
 }
@@ -446,6 +491,8 @@ pub struct VmHandle {
     device_tid: Option<libc::pid_t>,
     _vm: Arc<VmFd>,
     _mem: GuestMemoryMmap,
+    /// Kernel, initrd and disks: open (and locked) for the VM's life.
+    files: Vec<HostFile>,
 }
 
 impl std::fmt::Debug for VmHandle {
@@ -460,6 +507,11 @@ impl VmHandle {
     /// The VM's name.
     pub fn name(&self) -> &str {
         &self.name
+    }
+
+    /// Its kernel, initrd and disk files (open and locked while it lives).
+    pub fn files(&self) -> &[HostFile] {
+        &self.files
     }
 
     /// Console output.
@@ -701,7 +753,7 @@ fn dup_stdout() -> Option<OwnedFd> {
 /// Creates and starts a VM.
 pub fn start(cfg: &VmConfig) -> Result<VmHandle, VmError> {
     let kvm = Kvm::new().map_err(kvm_err("cannot open /dev/kvm"))?;
-    validate(cfg, &kvm)?;
+    let files = validate(cfg, &kvm)?;
     vcpu::install_kick_handler().map_err(io_err("installing the vCPU kick signal handler"))?;
 
     let vm = kvm.create_vm().map_err(kvm_err("KVM_CREATE_VM"))?;
@@ -748,23 +800,28 @@ pub fn start(cfg: &VmConfig) -> Result<VmHandle, VmError> {
     let vm = Arc::new(vm);
 
     // Boot payload.
-    let loaded = match &cfg.kernel {
-        KernelSource::Path(p) => {
-            let path = p.display().to_string();
-            let mut f = File::open(p).map_err(|err| loader::LoadError::KernelIo {
-                path: path.clone(),
-                err,
-            })?;
+    // The files opened and checked above: nothing can swap them now.
+    let loaded = match (&files.kernel, &cfg.kernel) {
+        (Some(k), _) => {
+            let path = k.path().display().to_string();
+            let mut f = k
+                .try_clone_file()
+                .map_err(|err| loader::LoadError::KernelIo {
+                    path: path.clone(),
+                    err,
+                })?;
             loader::load_kernel(&mem, &mut f, &path)?
         }
-        KernelSource::Bytes(b) => {
+        (None, KernelSource::Bytes(b)) => {
             loader::load_kernel(&mem, &mut Cursor::new(&b[..]), "built-in probe")?
         }
+        (None, _) => return Err(VmError::Config("the kernel is not open".into())),
     };
-    let initrd = match &cfg.initrd {
-        Some(p) => Some(loader::load_initrd(
+    let initrd = match &files.initrd {
+        Some(f) => Some(loader::load_initrd(
             &mem,
-            p,
+            f.file(),
+            &f.path().display().to_string(),
             loader::initrd_addr_max(&loaded),
             loaded.kernel_end,
         )?),
@@ -780,10 +837,25 @@ pub fn start(cfg: &VmConfig) -> Result<VmHandle, VmError> {
         let name = d.name(i);
         let irq = VIRTIO_IRQS[i];
         let base = layout::VIRTIO_MMIO_BASE + i as u64 * MMIO_WINDOW_SIZE;
-        let mut block = Block::from_spec(&d.spec).map_err(|e| VmError::Disk {
+        let disk_err = |e: &dyn std::fmt::Display| VmError::Disk {
             name: name.clone(),
             msg: e.to_string(),
-        })?;
+        };
+        let file = files
+            .disks
+            .get(i)
+            .ok_or_else(|| disk_err(&"not open"))?
+            .try_clone_file()
+            .map_err(|e| disk_err(&e))?;
+        let disk = DiskFile::from_file(file, d.spec.read_only, d.spec.direct)
+            .map_err(|e| disk_err(&format!("{}: {e}", d.spec.path.display())))?;
+        let mut block = Block::new(
+            disk,
+            BlockOptions {
+                serial: d.spec.id.clone().unwrap_or_default(),
+            },
+        )
+        .map_err(|e| disk_err(&e))?;
         let log = Arc::new(GuestLog::new(name.clone()));
         log.set_vm(&cfg.name);
         block.set_guest_log(log);
@@ -1018,6 +1090,7 @@ pub fn start(cfg: &VmConfig) -> Result<VmHandle, VmError> {
         device_tid,
         _vm: vm,
         _mem: mem,
+        files: files.all().cloned().collect(),
     })
 }
 

@@ -144,17 +144,35 @@ fn errno(e: i32) -> io::Error {
 }
 
 impl DiskFile {
-    /// Opens `path` read-write (or read-only), optionally with `O_DIRECT`.
+    /// Opens `path` read-write (or read-only), optionally with `O_DIRECT`:
+    /// a regular file or block device only, opened `O_NONBLOCK` so that a
+    /// FIFO is refused at once instead of waiting for a writer. (The VMM
+    /// opens disks itself, under its host-path policy, and uses
+    /// [`DiskFile::from_file`].)
     pub fn open(path: &Path, read_only: bool, direct: bool) -> Result<Self, DiskError> {
         let mut oo = OpenOptions::new();
         oo.read(true).write(!read_only);
+        let mut flags = libc::O_NONBLOCK | libc::O_NOCTTY;
         if direct {
-            oo.custom_flags(libc::O_DIRECT);
+            flags |= libc::O_DIRECT;
         }
-        let file = oo.open(path).map_err(|source| DiskError::Open {
+        oo.custom_flags(flags);
+        let open_err = |source| DiskError::Open {
             path: path.display().to_string(),
             source,
-        })?;
+        };
+        let file = oo.open(path).map_err(open_err)?;
+        let ft = file.metadata().map_err(open_err)?.file_type();
+        if !(ft.is_file() || std::os::unix::fs::FileTypeExt::is_block_device(&ft)) {
+            return Err(open_err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "not a regular file or block device",
+            )));
+        }
+        // SAFETY: F_SETFL on an fd we own; only the status flags change.
+        if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_SETFL, flags & !libc::O_NONBLOCK) } < 0 {
+            return Err(open_err(io::Error::last_os_error()));
+        }
         Self::from_file(file, read_only, direct).map_err(|source| DiskError::Size {
             path: path.display().to_string(),
             source,
