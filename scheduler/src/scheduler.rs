@@ -170,6 +170,12 @@ impl Scheduler {
         self.policy.entitlement_pct(id)
     }
 
+    /// One class's statistics (see [`Policy::class_stats`]) and the ticks
+    /// run so far.
+    pub fn class_stats(&self, name: &str) -> (u64, Option<crate::policy::ClassStats>) {
+        (self.policy.ticks(), self.policy.class_stats(name))
+    }
+
     /// Statistics for metrics: per VM entitlement, usage, credit, parked
     /// time; per class sums.
     pub fn stats(&self) -> Stats {

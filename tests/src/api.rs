@@ -28,6 +28,16 @@ impl Daemon {
         std::fs::create_dir_all(&dir).expect("temp dir");
         let socket = dir.join("corral.sock");
         let mut args = vec!["serve", "--socket", socket.to_str().expect("utf-8 path")];
+        // The tests' kernels and disks live in the temp dir and the guest
+        // image caches: those are the image directories unless a test
+        // names its own.
+        let images = crate::workspace_root().join("guest-images");
+        let tmp = std::env::temp_dir();
+        if !extra.contains(&"--image-dir") {
+            for d in [&tmp, &images] {
+                args.extend(["--image-dir", d.to_str().expect("utf-8 path")]);
+            }
+        }
         args.extend_from_slice(extra);
         let child = Command::new(crate::corral_bin())
             .args(&args)

@@ -756,7 +756,19 @@ impl Manager {
 
     // ---- classes ----
 
-    fn class_info(&self, st: &State, stats: &Stats, name: &str) -> Option<ClassInfo> {
+    /// One class with its scheduler figures, without a snapshot of every
+    /// class's (that made each class change O(classes)).
+    fn one_class_info(&self, st: &State, name: &str) -> Option<ClassInfo> {
+        let (ticks, cs) = self.sched().class_stats(name);
+        self.class_info(st, (ticks > 0).then_some(cs.as_ref()).flatten(), name)
+    }
+
+    fn class_info(
+        &self,
+        st: &State,
+        cs: Option<&corral_scheduler::ClassStats>,
+        name: &str,
+    ) -> Option<ClassInfo> {
         let s = self.sched();
         let spec = *s.model().class(name)?;
         drop(s);
@@ -770,9 +782,6 @@ impl Manager {
             .iter()
             .map(|e| e.cpu_ns(e.handle.exit_reason().is_none()))
             .sum();
-        let cs = (stats.ticks > 0)
-            .then(|| stats.classes.iter().find(|c| c.name == name))
-            .flatten();
         Some(ClassInfo {
             name: name.to_string(),
             config: ClassConfig {
@@ -796,17 +805,28 @@ impl Manager {
             .classes()
             .map(|(n, _)| n.to_string())
             .collect();
+        // stats.classes is sorted by name, as the model's classes are.
+        let find = |n: &str| {
+            (stats.ticks > 0)
+                .then(|| {
+                    stats
+                        .classes
+                        .binary_search_by(|c| c.name.as_str().cmp(n))
+                        .ok()
+                        .and_then(|i| stats.classes.get(i))
+                })
+                .flatten()
+        };
         names
             .iter()
-            .filter_map(|n| self.class_info(&st, &stats, n))
+            .filter_map(|n| self.class_info(&st, find(n), n))
             .collect()
     }
 
     /// One class.
     pub fn get_class(&self, name: &str) -> Result<ClassInfo, ManagerError> {
         let st = lock(&self.state);
-        let stats = self.sched().stats();
-        self.class_info(&st, &stats, name)
+        self.one_class_info(&st, name)
             .ok_or_else(|| ManagerError::NotFound(format!("no class named {name:?}")))
     }
 
@@ -819,8 +839,7 @@ impl Manager {
         self.cgroup_class(name, &cfg);
         st.class_io.insert(name.to_string(), cfg.io);
         set_class_group(&mut st, name, &cfg.io)?;
-        let stats = self.sched().stats();
-        self.class_info(&st, &stats, name)
+        self.one_class_info(&st, name)
             .ok_or_else(|| ManagerError::NotFound(format!("no class named {name:?}")))
     }
 
@@ -837,9 +856,8 @@ impl Manager {
         self.cgroup_class(name, &cfg);
         st.class_io.insert(name.to_string(), cfg.io);
         set_class_group(&mut st, name, &cfg.io)?;
-        let stats = self.sched().stats();
         let info = self
-            .class_info(&st, &stats, name)
+            .one_class_info(&st, name)
             .ok_or_else(|| ManagerError::NotFound(format!("no class named {name:?}")))?;
         Ok((created, info))
     }
@@ -866,8 +884,7 @@ impl Manager {
         self.cgroup_class(name, &cfg);
         st.class_io.insert(name.to_string(), cfg.io);
         set_class_group(&mut st, name, &cfg.io)?;
-        let stats = self.sched().stats();
-        self.class_info(&st, &stats, name)
+        self.one_class_info(&st, name)
             .ok_or_else(|| ManagerError::NotFound(format!("no class named {name:?}")))
     }
 
