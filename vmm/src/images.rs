@@ -34,23 +34,15 @@ pub(crate) struct ImageBook {
 }
 
 impl ImageBook {
-    /// Opens one file for VM `vm` and books it; a lock conflict names the
-    /// holder when it is one of ours.
+    /// Opens one file; a lock conflict names the holder when it is one of
+    /// ours.
     fn open(
         &self,
         policy: &HostPolicy,
-        vm: &str,
         path: &Path,
         role: Role,
     ) -> Result<HostFile, HostFileError> {
         match policy.open(path, role) {
-            Ok(f) => {
-                lock(&self.holders)
-                    .entry(f.key())
-                    .or_default()
-                    .push(vm.to_string());
-                Ok(f)
-            }
             Err(HostFileError::Locked {
                 role,
                 path,
@@ -69,7 +61,7 @@ impl ImageBook {
                     key,
                 })
             }
-            Err(e) => Err(e),
+            r => r,
         }
     }
 
@@ -78,7 +70,6 @@ impl ImageBook {
     pub(crate) fn open_vm(
         &self,
         policy: &HostPolicy,
-        vm: &str,
         kernel: Option<&Path>,
         initrd: Option<&Path>,
         disks: &[(&Path, bool, bool)],
@@ -86,34 +77,43 @@ impl ImageBook {
         let mut files = VmFiles::default();
         let r = (|| {
             if let Some(k) = kernel {
-                files.kernel = Some(self.open(policy, vm, k, Role::Kernel)?);
+                files.kernel = Some(self.open(policy, k, Role::Kernel)?);
             }
             if let Some(i) = initrd {
-                files.initrd = Some(self.open(policy, vm, i, Role::Initrd)?);
+                files.initrd = Some(self.open(policy, i, Role::Initrd)?);
             }
             for (p, read_only, direct) in disks {
                 let role = Role::Disk {
                     writable: !read_only,
                     direct: *direct,
                 };
-                files.disks.push(self.open(policy, vm, p, role)?);
+                files.disks.push(self.open(policy, p, role)?);
             }
             Ok(())
         })();
         match r {
             Ok(()) => Ok(files),
             Err(e) => {
-                self.release(vm, files.all());
+                self.release(None, files.all());
                 Err(e)
             }
         }
     }
 
-    /// Unlocks a VM's files and forgets that it holds them.
-    pub(crate) fn release<'a>(&self, vm: &str, files: impl Iterator<Item = &'a HostFile>) {
+    /// Records that VM `vm` holds these (already locked) files.
+    pub(crate) fn book<'a>(&self, vm: &str, files: impl Iterator<Item = &'a HostFile>) {
+        let mut h = lock(&self.holders);
+        for f in files {
+            h.entry(f.key()).or_default().push(vm.to_string());
+        }
+    }
+
+    /// Unlocks files and forgets that VM `vm` (if booked) holds them.
+    pub(crate) fn release<'a>(&self, vm: Option<&str>, files: impl Iterator<Item = &'a HostFile>) {
         let mut h = lock(&self.holders);
         for f in files {
             f.unlock();
+            let Some(vm) = vm else { continue };
             if let Some(v) = h.get_mut(&f.key()) {
                 if let Some(i) = v.iter().position(|n| n == vm) {
                     v.remove(i);

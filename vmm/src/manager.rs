@@ -1089,8 +1089,11 @@ impl Manager {
     /// Creates and starts a VM. Blocks while it starts (milliseconds).
     pub fn create_vm(&self, mut req: VmRequest) -> Result<VmInfo, ManagerError> {
         self.validate_request(&mut req)?;
+        // Open (never waiting), check and lock every file first: a refused
+        // file is a 400 (or a 409) whatever else is booked.
+        let files = self.open_files(&req)?;
         // Reserve the name, the id, the resources and the scheduler slot.
-        let (id, name, group) = {
+        let booked = (|| {
             let mut st = lock(&self.state);
             if st.shutting_down {
                 return Err(ManagerError::ShuttingDown);
@@ -1144,10 +1147,20 @@ impl Manager {
             st.starting
                 .insert(name.clone(), (id, req.vcpus, req.memory_mib));
             let group = st.class_groups.get(&req.class).cloned();
-            (id, name, group)
+            Ok((id, name, group))
+        })();
+        let (id, name, group) = match booked {
+            Ok(b) => b,
+            Err(e) => {
+                self.images.release(None, files.all());
+                return Err(e);
+            }
         };
-
-        let result = self.start_vm(id, &name, &req, group);
+        self.images.book(&name, files.all());
+        let result = self.start_vm(id, &name, &req, group, &files);
+        if result.is_err() {
+            self.images.release(Some(&name), files.all());
+        }
         let mut st = lock(&self.state);
         st.starting.remove(&name);
         match result {
@@ -1208,6 +1221,7 @@ impl Manager {
         name: &str,
         req: &VmRequest,
         class_group: Option<ThrottleGroup>,
+        files: &crate::images::VmFiles,
     ) -> Result<(VmHandle, String), ManagerError> {
         let vcpus = u8::try_from(req.vcpus)
             .map_err(|_| ManagerError::Invalid(format!("too many vCPUs: {}", req.vcpus)))?;
@@ -1216,25 +1230,22 @@ impl Manager {
                 "no kernel given and this daemon has no built-in guest".into(),
             ));
         }
-        // Open (non-blocking), check and lock every file before anything
-        // else; released again if the start fails.
+        self.start_opened(id, name, req, class_group, files, vcpus)
+    }
+
+    /// Opens a VM's kernel, initrd and disks under the host-path policy.
+    fn open_files(&self, req: &VmRequest) -> Result<crate::images::VmFiles, ManagerError> {
         let disks: Vec<_> = req
             .disks
             .iter()
             .map(|d| (d.path.as_path(), d.readonly, d.direct))
             .collect();
-        let files = self.images.open_vm(
+        Ok(self.images.open_vm(
             &self.cfg.host_files,
-            name,
             req.kernel.as_deref(),
             req.initrd.as_deref(),
             &disks,
-        )?;
-        let r = self.start_opened(id, name, req, class_group, &files, vcpus);
-        if r.is_err() {
-            self.images.release(name, files.all());
-        }
-        r
+        )?)
     }
 
     fn start_opened(
@@ -1335,7 +1346,7 @@ impl Manager {
         e.handle.stop();
         e.handle.join();
         // Unlocked now, even if a console follower still holds the entry.
-        self.images.release(&e.name, e.handle.files().iter());
+        self.images.release(Some(&e.name), e.handle.files().iter());
         if let Some(cg) = &self.cgroup {
             let _ = cg.remove_vm(&lock(&e.class), &e.name);
         }
@@ -1559,7 +1570,7 @@ impl Manager {
         for e in &entries {
             self.cpu.detach(e.id);
             e.handle.join();
-            self.images.release(&e.name, e.handle.files().iter());
+            self.images.release(Some(&e.name), e.handle.files().iter());
             let _ = self.sched().remove_vm(e.id);
             if let Some(cg) = &self.cgroup {
                 let _ = cg.remove_vm(&lock(&e.class), &e.name);
