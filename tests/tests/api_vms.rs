@@ -291,12 +291,15 @@ fn error_shapes() {
         .assert_error(400, "bad_request");
     d.req("POST", "/v1/vms", Some(r#"{"name":"../etc"}"#))
         .assert_error(400, "bad_request");
-    d.req(
-        "POST",
-        "/v1/vms",
-        Some(r#"{"kernel":"/nonexistent/vmlinux"}"#),
-    )
-    .assert_error(400, "bad_request");
+    // A missing file beneath an image directory (the temp dir here) is a
+    // plain 400; outside them the host-path policy answers (security_paths).
+    let missing = std::env::temp_dir().join("corral-nonexistent");
+    let body = json!({"kernel": missing.join("vmlinux")});
+    d.req("POST", "/v1/vms", Some(&body.to_string()))
+        .assert_error(400, "bad_request");
+    let body = json!({"kernel": "/nonexistent/vmlinux"});
+    d.req("POST", "/v1/vms", Some(&body.to_string()))
+        .assert_error(400, "path_policy");
     d.req("POST", "/v1/classes", Some(r#"{"name":"c","shares":0}"#))
         .assert_error(400, "bad_request");
     d.req(
@@ -341,7 +344,7 @@ fn error_shapes() {
         .assert_error(405, "method_not_allowed");
 
     // Disks: validated before anything starts.
-    let body = json!({"memory_mib":16,"disks":[{"path":"/nonexistent.img"}]});
+    let body = json!({"memory_mib":16,"disks":[{"path": missing.join("disk.img")}]});
     d.req("POST", "/v1/vms", Some(&body.to_string()))
         .assert_error(400, "bad_request");
     let body = json!({"memory_mib":16,"disks":[{"path": "/dev/null", "limits":{"burst_bytes":5}}]});

@@ -184,12 +184,9 @@ fn block_devices_need_the_flag() {
     );
     let node = t.images.join("blk");
     let c = std::ffi::CString::new(s(&node)).unwrap();
-    // SAFETY: mknod(2) with a valid path; we are root.
-    assert_eq!(
-        unsafe { libc::mknod(c.as_ptr(), libc::S_IFBLK | 0o600, rdev) },
-        0,
-        "mknod"
-    );
+    // SAFETY: mknod(2) with a valid NUL-terminated path; we are root.
+    let r = unsafe { libc::mknod(c.as_ptr(), libc::S_IFBLK | 0o600, rdev) };
+    assert_eq!(r, 0, "mknod");
     let body = json!({"name": "b", "memory_mib": 32, "disks": [{"path": s(&node)}]}).to_string();
     {
         let d = t.daemon(&[]);

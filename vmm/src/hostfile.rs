@@ -93,7 +93,7 @@ pub enum HostFileError {
         key: (u64, u64),
     },
     /// The file cannot be opened or examined (HTTP 400).
-    #[error("{role} {path}: {err}")]
+    #[error("cannot read {role} {path}: {err}")]
     Io {
         /// What it was for.
         role: Role,
