@@ -427,3 +427,67 @@ fn class_count_is_bounded() {
         1024
     );
 }
+
+/// A start that fails after the booking (a file that opens but is no
+/// kernel, an initrd larger than guest memory) frees the memory, the name
+/// and the image locks: the same VM is created right after.
+#[test]
+fn failed_starts_free_what_they_booked() {
+    let t = Tree::new("failed");
+    let junk = t.images.join("junk");
+    std::fs::write(&junk, b"this is not a kernel").unwrap();
+    let big = t.images.join("big.initrd");
+    std::fs::File::create(&big)
+        .unwrap()
+        .set_len(64 << 20)
+        .unwrap();
+    let img = t.images.join("disk.img");
+    std::fs::write(&img, vec![0u8; 1 << 20]).unwrap();
+    let d = t.daemon(&["--memory-budget", "64"]);
+    let disk = json!([{"path": s(&img)}]);
+    for (what, body) in [
+        (
+            "junk kernel",
+            json!({"name": "v", "memory_mib": 64, "kernel": s(&junk), "disks": disk}),
+        ),
+        (
+            "initrd too big",
+            json!({"name": "v", "memory_mib": 64, "initrd": s(&big), "disks": disk}),
+        ),
+    ] {
+        let r = d.req("POST", "/v1/vms", Some(&body.to_string()));
+        assert_eq!(r.status, 400, "{what}: {}", r.text());
+        assert_no_vms(&d);
+    }
+    // Name, all 64 MiB of the budget and the disk's lock are free.
+    let body = json!({"name": "v", "memory_mib": 64,
+        "cmdline": "probe.mode=spin probe.secs=30 probe.interval_ms=500", "disks": disk});
+    let r = d.req("POST", "/v1/vms", Some(&body.to_string()));
+    assert_eq!(r.status, 201, "{}", r.text());
+    assert_eq!(d.req("DELETE", "/v1/vms/v", None).status, 204);
+}
+
+/// `corral run` is not limited to image directories, but its opens do not
+/// wait on a FIFO either.
+#[test]
+fn corral_run_refuses_a_fifo_at_once() {
+    let t = Tree::new("runfifo");
+    let fifo = t.outside.join("fifo");
+    mkfifo(&fifo);
+    for args in [
+        vec!["run", "--kernel", s(&fifo)],
+        vec!["run", "--initrd", s(&fifo)],
+        vec!["run", "--disk", s(&fifo)],
+    ] {
+        let t0 = Instant::now();
+        let o = run_corral(&args, Duration::from_secs(10));
+        let (_, err) = text(&o);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains("FIFO"), "{args:?}: {err}");
+        assert!(
+            t0.elapsed() < Duration::from_secs(3),
+            "{args:?}: {:?}",
+            t0.elapsed()
+        );
+    }
+}
