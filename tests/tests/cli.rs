@@ -315,3 +315,23 @@ fn ctrl_c_in_top_exits_130() {
         .expect("top exits on Ctrl-C");
     assert_eq!(status.code(), Some(130), "{status:?}");
 }
+
+#[test]
+fn the_default_class_cannot_be_deleted() {
+    let d = Daemon::start(&[]);
+    let msg = d
+        .req("DELETE", "/v1/classes/default", None)
+        .assert_error(409, "conflict");
+    assert!(msg.contains("cannot be deleted"), "{msg}");
+    let (code, _, err) = cli(&d, &["class", "rm", "default"]);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("cannot be deleted"), "{err}");
+    // Still there: a VM created without a class joins it.
+    let r = d.req(
+        "POST",
+        "/v1/vms",
+        Some(r#"{"name":"plain","memory_mib":16}"#),
+    );
+    assert_eq!(r.status, 201, "{}", r.text());
+    assert_eq!(r.json()["class"], "default");
+}

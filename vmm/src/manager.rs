@@ -36,6 +36,8 @@ use crate::vm::{ExitReason, KernelSource, VmConfig, VmError, VmHandle};
 use corral_blkthrottle::ThrottleGroup;
 use corral_scheduler::Gate;
 
+/// The class of VMs created without one; it cannot be deleted.
+pub const DEFAULT_CLASS: &str = "default";
 /// Default kernel command line when a kernel file is given without one.
 pub const DEFAULT_LINUX_CMDLINE: &str = "console=ttyS0 reboot=k panic=-1";
 /// Longest VM, disk or group name, in bytes.
@@ -890,6 +892,13 @@ impl Manager {
 
     /// Deletes an empty class; 409 while VMs are in it.
     pub fn delete_class(&self, name: &str) -> Result<(), ManagerError> {
+        if name == DEFAULT_CLASS {
+            self.get_class(name)?;
+            return Err(ManagerError::Conflict(format!(
+                "class {DEFAULT_CLASS:?} cannot be deleted: VMs created without a class join it \
+                 (change its shares, cap or reservation instead)"
+            )));
+        }
         let mut st = lock(&self.state);
         // VMs being started are already in the scheduler's model, so a class
         // they are joining counts as in use.
