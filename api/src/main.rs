@@ -174,7 +174,11 @@ fn main() -> ExitCode {
         },
         Cmd::Serve(s) => {
             let mut args = s.args;
-            if let Some(p) = cli.socket {
+            // `corral --socket P serve` or CORRAL_SOCKET, unless serve's own
+            // --socket names another path.
+            if let Some(p) = cli.socket
+                && args.socket == std::path::Path::new(client::DEFAULT_SOCKET)
+            {
                 args.socket = p;
             }
             match server::serve(args, builtin()) {

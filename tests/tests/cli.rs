@@ -335,3 +335,27 @@ fn the_default_class_cannot_be_deleted() {
     assert_eq!(r.status, 201, "{}", r.text());
     assert_eq!(r.json()["class"], "default");
 }
+
+#[test]
+fn serve_socket_flag_wins_over_corral_socket() {
+    let dir = std::env::temp_dir().join(format!("corral-cli-sock-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (flag, env) = (dir.join("flag.sock"), dir.join("env.sock"));
+    let mut child = Command::new(corral_bin())
+        .args(["serve", "--socket", flag.to_str().unwrap()])
+        .env("CORRAL_SOCKET", &env)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn corral serve");
+    let up = wait_until(Duration::from_secs(20), || flag.exists().then_some(()));
+    let env_used = env.exists();
+    // SAFETY: kill(2) on our own child.
+    unsafe {
+        libc::kill(child.id() as i32, libc::SIGTERM);
+    }
+    let _ = child.wait();
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(up.is_some() && !env_used, "serve --socket ignored");
+}
