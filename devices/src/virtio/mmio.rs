@@ -437,8 +437,16 @@ impl MmioTransport {
         }
         let old = self.status;
         // The driver only ever sets bits (§2.1.1); it cannot set
-        // DEVICE_NEEDS_RESET; once DRIVER_OK is set only FAILED may follow.
-        if v & old != old || v & status::DEVICE_NEEDS_RESET != 0 {
+        // DEVICE_NEEDS_RESET (nor any undefined bit); once DRIVER_OK is set
+        // only FAILED may follow.
+        // (The mmio_transport fuzz target found undefined bits, 0xfeec1513,
+        // taken as they were.)
+        const DEFINED: u32 = status::ACKNOWLEDGE
+            | status::DRIVER
+            | status::DRIVER_OK
+            | status::FEATURES_OK
+            | status::FAILED;
+        if v & old != old || v & !DEFINED != 0 {
             return false;
         }
         let new = v & !old;

@@ -26,6 +26,8 @@
 //! transport.
 
 pub mod blk;
+#[cfg(any(test, feature = "test-utils"))]
+pub mod fuzz_targets;
 pub mod mmio;
 #[cfg(any(test, feature = "test-utils"))]
 pub mod testing;

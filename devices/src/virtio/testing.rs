@@ -254,9 +254,13 @@ pub mod fuzz {
         0xdead_beef,
     ];
 
-    struct Input<'a>(&'a [u8]);
+    /// Fuzz input read front to back; zeros once it runs out.
+    pub(crate) struct Input<'a>(pub(crate) &'a [u8]);
 
     impl Input<'_> {
+        pub(crate) fn is_empty(&self) -> bool {
+            self.0.is_empty()
+        }
         fn bytes<const N: usize>(&mut self) -> [u8; N] {
             let mut b = [0u8; N];
             let n = N.min(self.0.len());
@@ -264,30 +268,30 @@ pub mod fuzz {
             self.0 = &self.0[n..];
             b
         }
-        fn u8(&mut self) -> u8 {
+        pub(crate) fn u8(&mut self) -> u8 {
             self.bytes::<1>()[0]
         }
-        fn u16(&mut self) -> u16 {
+        pub(crate) fn u16(&mut self) -> u16 {
             u16::from_le_bytes(self.bytes())
         }
-        fn u32(&mut self) -> u32 {
+        pub(crate) fn u32(&mut self) -> u32 {
             u32::from_le_bytes(self.bytes())
         }
-        fn u64(&mut self) -> u64 {
+        pub(crate) fn u64(&mut self) -> u64 {
             u64::from_le_bytes(self.bytes())
         }
     }
 
-    struct State {
-        _file: vmm_sys_util::tempfile::TempFile,
-        h: Harness,
+    pub(crate) struct State {
+        pub(crate) _file: vmm_sys_util::tempfile::TempFile,
+        pub(crate) h: Harness,
     }
 
     thread_local! {
         static STATE: RefCell<Option<State>> = const { RefCell::new(None) };
     }
 
-    fn new_state() -> State {
+    pub(crate) fn new_state() -> State {
         // tmpfs when available: FLUSH (fdatasync) is then cheap.
         let dir = ["/dev/shm", "/tmp"]
             .iter()
@@ -434,16 +438,22 @@ pub mod fuzz {
         }
     }
 
-    /// Runs random inputs for `secs` seconds (at least `min_iters`);
-    /// returns the number of inputs run.
+    /// Runs random inputs through [`run`] for `secs` seconds (at least
+    /// `min_iters`); returns the number of inputs run.
     pub fn smoke(seed: u64, secs: f64, min_iters: u64) -> u64 {
+        smoke_with(run, seed, secs, min_iters)
+    }
+
+    /// Runs random inputs through `target` for `secs` seconds (at least
+    /// `min_iters`); returns the number of inputs run.
+    pub fn smoke_with(target: fn(&[u8]), seed: u64, secs: f64, min_iters: u64) -> u64 {
         let mut g = Gen::new(seed);
         let mut buf = Vec::new();
         let start = std::time::Instant::now();
         let mut n = 0;
         while n < min_iters || start.elapsed().as_secs_f64() < secs {
             g.input(&mut buf);
-            run(&buf);
+            target(&buf);
             n += 1;
         }
         n

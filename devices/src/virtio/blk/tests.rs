@@ -1017,6 +1017,20 @@ fn fuzz_smoke_stable() {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(0x5eed);
-    let n = crate::virtio::testing::fuzz::smoke(seed, secs, 200);
-    eprintln!("fuzz_smoke_stable: {n} inputs in {secs} s (seed {seed:#x})");
+    // The time is shared by the three targets of devices/fuzz.
+    use crate::virtio::{fuzz_targets, testing::fuzz};
+    let each = secs / 3.0;
+    for (name, target) in [
+        ("blk_request", fuzz::run as fn(&[u8])),
+        ("mmio_transport", fuzz_targets::mmio),
+        ("blk_device", fuzz_targets::device),
+    ] {
+        let t0 = std::time::Instant::now();
+        let n = fuzz::smoke_with(target, seed, each, 200);
+        let s = t0.elapsed().as_secs_f64();
+        eprintln!(
+            "fuzz_smoke_stable: {name}: {n} inputs in {s:.1} s ({:.0}/s, seed {seed:#x})",
+            n as f64 / s
+        );
+    }
 }

@@ -149,3 +149,13 @@ fn chain_cut_off_by_a_bad_next_has_no_known_status() {
     assert_eq!(h.ring.used(0).1, 0);
     assert_eq!(read_u8(&h.mem, BUF + 511), 0x77);
 }
+
+#[test]
+fn undefined_status_bits_are_refused() {
+    let (_t, mut h) = harness();
+    h.w32(0x70, 0);
+    h.w32(0x70, 0xfeec_1513);
+    assert_eq!(h.r32(0x70), 0);
+    h.w32(0x70, status::ACKNOWLEDGE | 0x10);
+    assert_eq!(h.r32(0x70), 0);
+}
