@@ -48,6 +48,7 @@ pub struct AcpiPm {
     on_shutdown: Box<dyn FnMut() + Send>,
     shutdowns: u64,
     ignored_writes: u64,
+    log: crate::GuestLog,
 }
 
 impl std::fmt::Debug for AcpiPm {
@@ -66,6 +67,7 @@ impl AcpiPm {
             on_shutdown,
             shutdowns: 0,
             ignored_writes: 0,
+            log: crate::GuestLog::new("acpi-pm"),
         }
     }
 
@@ -94,7 +96,10 @@ impl BusDevice for AcpiPm {
                     self.shutdowns += 1;
                     (self.on_shutdown)();
                 } else if v & SLP_EN != 0 {
-                    tracing::debug!("ACPI sleep type {typ} requested; only S5 is supported");
+                    self.log.report(
+                        crate::GuestErrorKind::BadRegister,
+                        format_args!("ACPI sleep type {typ} requested; only S5 is supported"),
+                    );
                     self.ignored_writes += 1;
                 }
                 // SLP_EN clear: the guest only prepares the value; nothing to do.

@@ -10,7 +10,7 @@ use std::cell::RefCell;
 use vm_memory::{Bytes, GuestAddress};
 
 use super::testing::fuzz::{Input, MEM_SIZE, State, new_state};
-use super::testing::{AVAIL_ADDR, DESC_ADDR, Harness, USED_ADDR};
+use super::testing::{AVAIL_ADDR, DATA_ADDR, DESC_ADDR, Harness, USED_ADDR};
 use super::{features, status};
 use crate::bus::{BusDevice, lock};
 
@@ -136,10 +136,10 @@ fn mmio_on(h: &mut Harness, data: &[u8]) {
     }
 }
 
-/// The whole device behind a guest-memory image: the input's first bytes
-/// pick the queue size and features, the rest is copied into guest memory
-/// from the descriptor table on (descriptors, available ring, headers, data,
-/// indirect tables: whatever the fuzzer makes of it). The device is brought
+/// The whole device behind a guest-memory image: the input's first byte
+/// picks the queue size and features, the rest is copied into guest memory
+/// as the available ring, the descriptor table and the data area (headers,
+/// data, indirect tables: whatever the fuzzer makes of it). The device is brought
 /// up and serves the queue twice, with a reset or a notify between.
 pub fn device(data: &[u8]) {
     with_harness(|h| device_on(h, data));
@@ -158,14 +158,20 @@ fn device_on(h: &mut Harness, data: &[u8]) {
     } else {
         0
     };
-    let image = u.0;
-    let room = MEM_SIZE - DESC_ADDR as usize;
-    let image = &image[..image.len().min(room)];
     h.mem
         .write_slice(&[0u8; 0x4000], GuestAddress(DESC_ADDR))
         .unwrap();
     h.bring_up(drop, qsize);
-    h.mem.write_slice(image, GuestAddress(DESC_ADDR)).unwrap();
+    // The image in three pieces, so that short inputs reach every part:
+    // the available ring (flags, idx, 8 entries), 32 descriptors, then
+    // headers, data and indirect tables at DATA_ADDR.
+    let rest = u.0;
+    let (avail, rest) = rest.split_at(rest.len().min(20));
+    let (descs, rest) = rest.split_at(rest.len().min(32 * 16));
+    let rest = &rest[..rest.len().min(MEM_SIZE - DATA_ADDR as usize)];
+    h.mem.write_slice(avail, GuestAddress(AVAIL_ADDR)).unwrap();
+    h.mem.write_slice(descs, GuestAddress(DESC_ADDR)).unwrap();
+    h.mem.write_slice(rest, GuestAddress(DATA_ADDR)).unwrap();
     clear_used_idx(h);
     serve(h, true);
     if cfg & 0x40 != 0 {
