@@ -445,6 +445,18 @@ impl From<VmInfo> for Vm {
                     message: e.to_string(),
                     vcpu: Some(vcpu),
                 },
+                ExitReason::ThreadFault {
+                    vcpu, ref fault, ..
+                } => VmExit {
+                    reason: match fault {
+                        corral_vmm::ThreadFault::Panic(_) => "panic",
+                        corral_vmm::ThreadFault::Seccomp { .. } => "seccomp",
+                        corral_vmm::ThreadFault::Setup(_) => "fatal",
+                    }
+                    .into(),
+                    message: e.to_string(),
+                    vcpu,
+                },
             }),
             class: v.class,
             weight: v.weight,

@@ -35,6 +35,10 @@ pub struct RunArgs {
     /// devices through `virtio_mmio.device=` on the command line only.
     #[arg(long)]
     no_acpi: bool,
+    /// No seccomp filters (for debugging: e.g. under a tool that makes
+    /// syscalls of its own in corral's threads).
+    #[arg(long)]
+    no_seccomp: bool,
 }
 
 /// Runs it.
@@ -72,6 +76,15 @@ pub fn run(a: RunArgs) -> ExitCode {
     }
 
     let _raw = term::RawStdin::enable();
+    // This (main) thread's filter is the runtime's; the VM's threads
+    // inherit it and narrow it with their own.
+    if !a.no_seccomp
+        && let Err(e) = corral_vmm::seccomp::enable()
+            .and_then(|()| corral_vmm::seccomp::check_all())
+            .and_then(|()| corral_vmm::seccomp::install(corral_vmm::seccomp::ThreadKind::Runtime))
+    {
+        return fail(e.to_string());
+    }
     let vm = match corral_vmm::start(&cfg) {
         Ok(vm) => vm,
         Err(e) => return fail(e.to_string()),
@@ -97,7 +110,7 @@ pub fn run(a: RunArgs) -> ExitCode {
             eprintln!("corral: VM stopped before the guest shut down");
             ExitCode::from(1)
         }
-        r @ ExitReason::Fatal { .. } => {
+        r @ (ExitReason::Fatal { .. } | ExitReason::ThreadFault { .. }) => {
             eprintln!("corral: VM failed: {r}");
             ExitCode::from(1)
         }

@@ -497,6 +497,11 @@ pub struct ServeArgs {
     /// `cgroup` (Linux cgroups), or `none` (host scheduler only).
     #[arg(long, default_value = "gate")]
     pub cpu_backend: corral_vmm::manager::CpuBackend,
+    /// No seccomp filters (for debugging). By default every thread runs
+    /// under the filter of its kind (vCPU, device, scheduler, runtime), and
+    /// a VM's thread that breaks its filter fails that VM only.
+    #[arg(long)]
+    pub no_seccomp: bool,
 }
 
 /// `--listen HOST:PORT`: an address as is; a name resolved, its first
@@ -686,6 +691,16 @@ pub fn serve(args: ServeArgs, builtin: Arc<[u8]>) -> Result<(), ServeError> {
         cpu_backend: args.cpu_backend,
         ..Default::default()
     };
+    // The runtime filter on the main thread before any other thread exists:
+    // the scheduler thread, tokio's workers and blocking pool inherit it
+    // (the scheduler and the VMs' threads narrow it with their own).
+    if !args.no_seccomp {
+        use corral_vmm::seccomp;
+        seccomp::enable()
+            .and_then(|()| seccomp::check_all())
+            .and_then(|()| seccomp::install(seccomp::ThreadKind::Runtime))
+            .map_err(|e| ServeError::Config(e.to_string()))?;
+    }
     let mgr = Arc::new(Manager::new(cfg)?);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

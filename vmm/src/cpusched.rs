@@ -266,6 +266,12 @@ impl CpuScheduler {
 
     fn run(self: Arc<Self>) {
         crate::devthread::raise_priority();
+        // The scheduler thread's own filter (inherits the runtime's). It
+        // belongs to no VM: a violation is reported and the syscall fails.
+        if let Err(e) = crate::seccomp::install(crate::seccomp::ThreadKind::Scheduler) {
+            tracing::error!("scheduler thread: {e}; it does not run");
+            return;
+        }
         let tick = Duration::from_nanos(self.with(|s| s.config().tick_ns).max(1_000_000));
         let mut next = Instant::now() + tick;
         while !self.stop.load(Ordering::SeqCst) {

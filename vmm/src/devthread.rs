@@ -191,7 +191,35 @@ pub(crate) fn run(
     if stdin {
         em.add_subscriber(Arc::new(Mutex::new(Stdin { serial })));
     }
-    while !shared.is_stopping() {
+    #[cfg(debug_assertions)]
+    let (mut inject_panic, mut inject_syscall) = (
+        crate::seccomp::fault::injected("dev-panic", &shared.name),
+        crate::seccomp::fault::injected("dev-syscall", &shared.name),
+    );
+    #[cfg(debug_assertions)]
+    let inject_at = std::time::Instant::now() + std::time::Duration::from_millis(200);
+    loop {
+        // A seccomp violation recorded by the SIGSYS handler (of any of the
+        // VM's threads: it writes our wake-up fd) stops the VM.
+        shared.check_faults();
+        if shared.is_stopping() {
+            break;
+        }
+        // Test-only faults (debug builds; see crate::seccomp::fault): a
+        // panic while holding the first disk's lock (which the API takes
+        // for the VM's disk counters: it must recover the poisoned lock),
+        // or a syscall outside the filter.
+        #[cfg(debug_assertions)]
+        if std::time::Instant::now() >= inject_at {
+            if std::mem::take(&mut inject_syscall) {
+                let r = crate::seccomp::fault::forbidden_syscall();
+                tracing::warn!("fault injection: forbidden syscall returned {r}");
+            }
+            if std::mem::take(&mut inject_panic) {
+                let _held = shared.disks.first().map(|(_, _, b)| lock(b));
+                panic!("fault injection: dev-panic");
+            }
+        }
         if let Err(e) = em.run_with_timeout(100) {
             tracing::error!("device thread: event loop failed: {e:?}");
             break;

@@ -14,11 +14,13 @@ pub mod layout;
 pub mod loader;
 pub mod manager;
 pub mod mptable;
+pub mod seccomp;
 pub mod vcpu;
 pub mod vm;
+mod vmthread;
 
 pub use kvm_ioctls::Kvm;
 pub use vm::{
-    ExitReason, KernelSource, VmConfig, VmError, VmHandle, host_memory_mib, max_vcpus, start,
-    validate,
+    ExitReason, KernelSource, ThreadFault, VmConfig, VmError, VmHandle, host_memory_mib, max_vcpus,
+    start, validate,
 };

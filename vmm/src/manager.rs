@@ -567,7 +567,7 @@ impl Entry {
                 let s = match r {
                     ExitReason::GuestShutdown => VmState::Shutdown,
                     ExitReason::Stopped => VmState::Stopped,
-                    ExitReason::Fatal { .. } => VmState::Failed,
+                    ExitReason::Fatal { .. } | ExitReason::ThreadFault { .. } => VmState::Failed,
                 };
                 (s, Some(r))
             }
@@ -1039,6 +1039,27 @@ impl Manager {
                 e.cpu_ns(true);
             }
         }
+        self.reap();
+    }
+
+    /// Releases the resources of every VM that has stopped on its own (guest
+    /// shutdown, a fatal exit, a panicked thread, a seccomp violation):
+    /// joins its threads, closes its KVM fd, gives its RAM back, and stops
+    /// the scheduler thread from tracking it. Never blocks: a VM whose
+    /// threads are still finishing is released on a later call. The
+    /// daemon calls it twice a second (with [`Manager::sample_cpu`]).
+    pub fn reap(&self) {
+        let entries: Vec<Arc<Entry>> = lock(&self.state).vms.values().cloned().collect();
+        for e in entries {
+            if e.handle.exit_reason().is_some() && !e.handle.is_released() {
+                // Keep the last CPU figure before the threads are gone.
+                e.cpu_ns(true);
+                if e.handle.try_release() {
+                    self.cpu.detach(e.id);
+                    tracing::info!(vm = e.name, "VM stopped; its resources are released");
+                }
+            }
+        }
     }
 
     fn validate_request(&self, req: &mut VmRequest) -> Result<(), ManagerError> {
@@ -1098,6 +1119,7 @@ impl Manager {
     /// Creates and starts a VM. Blocks while it starts (milliseconds).
     pub fn create_vm(&self, mut req: VmRequest) -> Result<VmInfo, ManagerError> {
         self.validate_request(&mut req)?;
+        self.reap();
         // Open (never waiting), check and lock every file first: a refused
         // file is a 400 (or a 409) whatever else is booked.
         let files = self.open_files(&req)?;
@@ -1210,10 +1232,13 @@ impl Manager {
         }
     }
 
+    /// vCPUs and guest memory in use. A VM that has stopped (shut down,
+    /// stopped, failed) holds neither: its threads are joined and its RAM
+    /// given back ([`Manager::reap`]), though it stays listed until deleted.
     fn usage(st: &State) -> (u32, u64) {
         let mut vcpus = 0;
         let mut mem = 0;
-        for e in st.vms.values() {
+        for e in st.vms.values().filter(|e| e.handle.exit_reason().is_none()) {
             vcpus += e.request.vcpus;
             mem += e.request.memory_mib;
         }

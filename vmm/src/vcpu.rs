@@ -122,6 +122,17 @@ pub(crate) fn run(mut vcpu: VcpuFd, index: u8, shared: Arc<Shared>) {
     let stats = shared.vcpu_stats[index as usize].clone();
     let run_ptr: *mut kvm_bindings::kvm_run = vcpu.get_kvm_run();
     KVM_RUN.with(|c| c.set(run_ptr));
+    // Clears the kick handler's pointer when this function ends, also by
+    // a panic: the guard is a local, dropped before the `vcpu` parameter
+    // (which unmaps `kvm_run`). A kick that lands after that (the VM's
+    // stop kicks every vCPU thread, this one included) must find null.
+    struct ClearKvmRun;
+    impl Drop for ClearKvmRun {
+        fn drop(&mut self) {
+            KVM_RUN.with(|c| c.set(std::ptr::null_mut()));
+        }
+    }
+    let _clear = ClearKvmRun;
     let fatal = |vcpu: &VcpuFd, what: String| {
         let regs = regs_summary(vcpu);
         tracing::error!(vcpu = index, "{what}; {regs}");
@@ -131,10 +142,16 @@ pub(crate) fn run(mut vcpu: VcpuFd, index: u8, shared: Arc<Shared>) {
             registers: regs,
         });
     };
+    #[cfg(debug_assertions)]
+    let mut inject = fault_injection::Vcpu::new(&shared.name, index);
     loop {
+        // A seccomp violation recorded by the SIGSYS handler stops the VM.
+        shared.check_faults();
         if shared.is_stopping() {
             break;
         }
+        #[cfg(debug_assertions)]
+        inject.maybe(&shared);
         // Parked by the scheduler or paused by the host: wait on the gate
         // (no spinning). A park kicks us out of KVM_RUN first.
         let mut parked = false;
@@ -226,6 +243,49 @@ pub(crate) fn run(mut vcpu: VcpuFd, index: u8, shared: Arc<Shared>) {
             }
         }
     }
-    KVM_RUN.with(|c| c.set(std::ptr::null_mut()));
+    drop(_clear);
     drop(vcpu);
+}
+
+/// Test-only faults on a vCPU thread (debug builds; see
+/// [`crate::seccomp::fault`]): `vcpu-panic:VM` panics vCPU 0 while it holds
+/// the VM's exit-reason lock (so the lock is poisoned, and must be
+/// recovered by everyone after), `vcpu-syscall:VM` makes vCPU 0 call a
+/// syscall outside its filter. Both fire once the guest has run for 200 ms.
+#[cfg(debug_assertions)]
+mod fault_injection {
+    use std::time::{Duration, Instant};
+
+    use crate::seccomp::fault;
+    use crate::vm::Shared;
+
+    pub(super) struct Vcpu {
+        panic: bool,
+        syscall: bool,
+        at: Instant,
+    }
+
+    impl Vcpu {
+        pub(super) fn new(vm: &str, index: u8) -> Self {
+            Self {
+                panic: index == 0 && fault::injected("vcpu-panic", vm),
+                syscall: index == 0 && fault::injected("vcpu-syscall", vm),
+                at: Instant::now() + Duration::from_millis(200),
+            }
+        }
+
+        pub(super) fn maybe(&mut self, shared: &Shared) {
+            if !(self.panic || self.syscall) || Instant::now() < self.at {
+                return;
+            }
+            if std::mem::take(&mut self.syscall) {
+                let r = fault::forbidden_syscall();
+                tracing::warn!("fault injection: forbidden syscall returned {r}");
+            }
+            if std::mem::take(&mut self.panic) {
+                let _held = shared.lock_exit_for_test();
+                panic!("fault injection: vcpu-panic");
+            }
+        }
+    }
 }

@@ -26,6 +26,7 @@ use vm_memory::{Address, GuestAddress, GuestMemoryBackend, GuestMemoryMmap, Gues
 use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 
 use crate::hostfile::{HostFile, HostFileError, HostImage, Role};
+use crate::seccomp::{ThreadKind, VmFaults};
 use crate::vcpu::{self, VcpuStats};
 use crate::{acpi, boot, cpuid, layout, loader, mptable};
 
@@ -193,6 +194,32 @@ pub enum ExitReason {
         /// Register dump.
         registers: String,
     },
+    /// One of the VM's threads failed: it panicked, or made a syscall that
+    /// its seccomp filter forbids. The VM stops; other VMs go on.
+    ThreadFault {
+        /// The thread's name (`vcpu0`, `dev-NAME`).
+        thread: String,
+        /// Its kind.
+        kind: ThreadKind,
+        /// The vCPU, for a vCPU thread.
+        vcpu: Option<u8>,
+        /// What happened.
+        fault: ThreadFault,
+    },
+}
+
+/// How a VM's thread failed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ThreadFault {
+    /// It panicked (the message).
+    Panic(String),
+    /// It made syscall number `syscall` (x86-64), outside its filter.
+    Seccomp {
+        /// The syscall number.
+        syscall: i32,
+    },
+    /// It could not install its seccomp filter.
+    Setup(String),
 }
 
 impl std::fmt::Display for ExitReason {
@@ -205,6 +232,24 @@ impl std::fmt::Display for ExitReason {
                 reason,
                 registers,
             } => write!(f, "vcpu{vcpu}: {reason} ({registers})"),
+            Self::ThreadFault {
+                thread,
+                kind,
+                fault,
+                ..
+            } => {
+                let kind = kind.as_str();
+                match fault {
+                    ThreadFault::Panic(msg) => {
+                        write!(f, "{thread} ({kind} thread) panicked: {msg}")
+                    }
+                    ThreadFault::Seccomp { syscall } => write!(
+                        f,
+                        "{thread} ({kind} thread) made syscall {syscall}, which its seccomp filter forbids"
+                    ),
+                    ThreadFault::Setup(msg) => write!(f, "{thread} ({kind} thread): {msg}"),
+                }
+            }
         }
     }
 }
@@ -438,12 +483,46 @@ pub(crate) struct Shared {
     pub(crate) control: Mutex<std::sync::mpsc::Sender<crate::devthread::Control>>,
     /// The scheduler's gate, if the VM is scheduled by the gate backend.
     sched_gate: Option<Arc<Gate>>,
+    /// Seccomp violations of the VM's threads (written by the SIGSYS handler).
+    faults: VmFaults,
+    /// Thread names, for exit reasons: the device thread's.
+    device_thread: String,
+    /// The VM's name.
+    pub(crate) name: String,
 }
 
 impl Shared {
     /// The gates a vCPU must pass before running.
     pub(crate) fn gates(&self) -> impl Iterator<Item = &Arc<Gate>> {
         std::iter::once(&self.pause_gate).chain(self.sched_gate.iter())
+    }
+
+    /// Holds the exit-reason lock (fault injection: a panic while holding
+    /// it poisons it).
+    #[cfg(debug_assertions)]
+    pub(crate) fn lock_exit_for_test(&self) -> std::sync::MutexGuard<'_, Option<ExitReason>> {
+        lock(&self.exit)
+    }
+
+    pub(crate) fn faults(&self) -> &VmFaults {
+        &self.faults
+    }
+
+    /// Turns a seccomp violation recorded by the SIGSYS handler into the
+    /// VM's exit reason (cheap when there is none: one atomic load).
+    pub(crate) fn check_faults(&self) {
+        if let Some(v) = self.faults.violation() {
+            let thread = match v.kind {
+                ThreadKind::Vcpu => format!("vcpu{}", v.index),
+                _ => self.device_thread.clone(),
+            };
+            self.set_exit(ExitReason::ThreadFault {
+                thread,
+                kind: v.kind,
+                vcpu: (v.kind == ThreadKind::Vcpu).then_some(v.index as u8),
+                fault: ThreadFault::Seccomp { syscall: v.syscall },
+            });
+        }
     }
 
     pub(crate) fn is_stopping(&self) -> bool {
@@ -489,8 +568,10 @@ pub struct VmHandle {
     started: Instant,
     vcpu_tids: Vec<libc::pid_t>,
     device_tid: Option<libc::pid_t>,
-    _vm: Arc<VmFd>,
-    _mem: GuestMemoryMmap,
+    /// The VM's KVM fd until [`VmHandle::try_release`] closes it.
+    vm_fd: Mutex<Option<Arc<VmFd>>>,
+    mem: GuestMemoryMmap,
+    released: AtomicBool,
     /// Kernel, initrd and disks: open (and locked) for the VM's life.
     files: Vec<HostFile>,
 }
@@ -526,6 +607,7 @@ impl VmHandle {
 
     /// Why the VM stopped, if it did.
     pub fn exit_reason(&self) -> Option<ExitReason> {
+        self.shared.check_faults();
         lock(&self.shared.exit).clone()
     }
 
@@ -706,6 +788,41 @@ impl VmHandle {
         lock(&self.shared.vcpu_pthreads).clear();
         self.console.close();
         self.exit_reason().unwrap_or(ExitReason::Stopped)
+    }
+
+    /// Frees what a stopped VM holds, without waiting: once the VM has an
+    /// exit reason and all its threads have finished, joins them, closes
+    /// the KVM VM fd and gives the guest's RAM back to the host
+    /// (`MADV_DONTNEED`; the mapping stays until the handle is dropped, so
+    /// nothing can touch freed memory). Returns whether the VM is released
+    /// (true again on later calls).
+    pub fn try_release(&self) -> bool {
+        if self.released.load(Ordering::Acquire) {
+            return true;
+        }
+        if self.exit_reason().is_none() || !lock(&self.threads).iter().all(|t| t.is_finished()) {
+            return false;
+        }
+        self.join();
+        lock(&self.vm_fd).take();
+        for region in self.mem.iter() {
+            if let Ok(host) = self.mem.get_host_address(region.start_addr()) {
+                // SAFETY: the region is a live anonymous mapping owned by
+                // `self.mem`; every thread that used guest memory has been
+                // joined and the VM fd is closed, so no one reads it again
+                // (DONTNEED only zeroes the pages).
+                unsafe {
+                    libc::madvise(host.cast(), region.len() as usize, libc::MADV_DONTNEED);
+                }
+            }
+        }
+        self.released.store(true, Ordering::Release);
+        true
+    }
+
+    /// Whether [`VmHandle::try_release`] has released the VM.
+    pub fn is_released(&self) -> bool {
+        self.released.load(Ordering::Acquire)
     }
 
     /// Linux thread ids of the vCPU threads (for CPU accounting and cgroups).
@@ -922,6 +1039,7 @@ pub fn start(cfg: &VmConfig) -> Result<VmHandle, VmError> {
         console.clone(),
     )));
     let wake = EventFd::new(EFD_NONBLOCK).map_err(io_err("eventfd"))?;
+    let wake_fd = wake.as_raw_fd();
     let mut pio = Bus::new();
     pio.insert(0x3f8, 8, serial.clone())
         .map_err(|e| VmError::Config(e.to_string()))?;
@@ -989,6 +1107,9 @@ pub fn start(cfg: &VmConfig) -> Result<VmHandle, VmError> {
         guest_logs: disks.iter().map(|(_, _, b)| lock(b).guest_log()).collect(),
         disks,
         control: Mutex::new(control_tx),
+        faults: VmFaults::new(wake_fd),
+        device_thread: format!("dev-{}", cfg.name),
+        name: cfg.name.clone(),
     });
     *lock(&shared_slot) = Some(Arc::downgrade(&shared));
     for g in shared.gates() {
@@ -1023,23 +1144,27 @@ pub fn start(cfg: &VmConfig) -> Result<VmHandle, VmError> {
         vcpus.push(v);
     }
 
+    crate::vmthread::install_panic_hook();
     let mut threads = Vec::new();
-    let (tid_tx, tid_rx) = std::sync::mpsc::channel();
+    let mut vcpu_tids = vec![0; cfg.vcpus.into()];
     for (i, v) in vcpus.into_iter().enumerate() {
-        let sh = shared.clone();
-        let tx = tid_tx.clone();
-        let t = std::thread::Builder::new()
-            .name(format!("vcpu{i}"))
-            .spawn(move || {
-                // SAFETY: gettid has no preconditions.
-                let _ = tx.send((i, unsafe { libc::gettid() }));
-                drop(tx);
-                vcpu::run(v, i as u8, sh)
-            });
+        let (tx, rx) = std::sync::mpsc::channel();
+        let t = crate::vmthread::spawn(
+            format!("vcpu{i}"),
+            ThreadKind::Vcpu,
+            i as u16,
+            shared.clone(),
+            tx,
+            move |sh| vcpu::run(v, i as u8, sh),
+        );
         match t {
             Ok(t) => {
                 lock(&shared.vcpu_pthreads).push(t.as_pthread_t());
                 threads.push(t);
+                // Each thread sends its tid first thing.
+                if let Ok(tid) = rx.recv() {
+                    vcpu_tids[i] = tid;
+                }
             }
             Err(e) => {
                 shared.set_exit(ExitReason::Stopped);
@@ -1053,30 +1178,19 @@ pub fn start(cfg: &VmConfig) -> Result<VmHandle, VmError> {
             }
         }
     }
-    drop(tid_tx);
-    let mut vcpu_tids = vec![0; cfg.vcpus.into()];
-    // Each vCPU thread sends its tid once, first thing (it keeps its sender
-    // for its whole life, so read exactly one message per thread).
-    for _ in 0..cfg.vcpus {
-        match tid_rx.recv() {
-            Ok((i, tid)) => vcpu_tids[i] = tid,
-            Err(_) => break,
-        }
-    }
 
     // Device thread: host stdin to the serial port, wake-ups.
-    let sh = shared.clone();
     let stdin = cfg.console_stdin;
     let (dtid_tx, dtid_rx) = std::sync::mpsc::channel();
-    let dev = std::thread::Builder::new()
-        .name(format!("dev-{}", cfg.name))
-        .spawn(move || {
-            // SAFETY: gettid has no preconditions.
-            let _ = dtid_tx.send(unsafe { libc::gettid() });
-            drop(dtid_tx);
-            crate::devthread::run(sh, serial, stdin, control_rx)
-        })
-        .map_err(io_err("spawning the device thread"))?;
+    let dev = crate::vmthread::spawn(
+        shared.device_thread.clone(),
+        ThreadKind::Device,
+        0,
+        shared.clone(),
+        dtid_tx,
+        move |sh| crate::devthread::run(sh, serial, stdin, control_rx),
+    )
+    .map_err(io_err("spawning the device thread"))?;
     threads.push(dev);
     let device_tid = dtid_rx.recv().ok();
 
@@ -1088,8 +1202,9 @@ pub fn start(cfg: &VmConfig) -> Result<VmHandle, VmError> {
         started: Instant::now(),
         vcpu_tids,
         device_tid,
-        _vm: vm,
-        _mem: mem,
+        vm_fd: Mutex::new(Some(vm)),
+        mem,
+        released: AtomicBool::new(false),
         files: files.all().cloned().collect(),
     })
 }

@@ -1,0 +1,102 @@
+//! Starting one of a VM's threads (vCPU or device): it installs the seccomp
+//! filter of its kind first, records its faults in the VM's slot, and a
+//! panic in it fails the VM, not the process.
+
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::Arc;
+use std::sync::mpsc::Sender;
+use std::thread::JoinHandle;
+
+use crate::seccomp::{self, ThreadKind, VmThreadGuard};
+use crate::vm::{ExitReason, Shared, ThreadFault};
+
+/// Spawns thread `name`, the `index`-th of `kind` in the VM. It sends its
+/// kernel tid on `tid` first, then installs its filter (fails closed: the VM
+/// fails if it cannot), then runs `body`. A panic in `body` is caught and
+/// becomes the VM's exit reason; every other thread of the VM is then told
+/// to stop, as for any fatal exit.
+pub(crate) fn spawn(
+    name: String,
+    kind: ThreadKind,
+    index: u16,
+    shared: Arc<Shared>,
+    tid: Sender<libc::pid_t>,
+    body: impl FnOnce(Arc<Shared>) + Send + 'static,
+) -> std::io::Result<JoinHandle<()>> {
+    std::thread::Builder::new()
+        .name(name.clone())
+        .spawn(move || {
+            // SAFETY: gettid has no preconditions.
+            let _ = tid.send(unsafe { libc::gettid() });
+            drop(tid);
+            // SAFETY: `shared` (and so its `faults`) lives until the end of
+            // this closure, after the guard is dropped.
+            let guard = unsafe { VmThreadGuard::enter(shared.faults(), kind, index) };
+            // glibc gives a thread its malloc arena at its first allocation
+            // (and may read /sys/devices/system/cpu/online then): do it
+            // now, under the inherited runtime filter, not under ours.
+            drop(std::hint::black_box(Box::new([0u8; 64])));
+            let fail = |fault: ThreadFault| {
+                shared.set_exit(ExitReason::ThreadFault {
+                    thread: name.clone(),
+                    kind,
+                    vcpu: (kind == ThreadKind::Vcpu).then_some(index as u8),
+                    fault,
+                });
+            };
+            if let Err(e) = seccomp::install(kind) {
+                tracing::error!(thread = name, "{e}");
+                fail(ThreadFault::Setup(e.to_string()));
+                drop(guard);
+                return;
+            }
+            let sh = shared.clone();
+            let r = catch_unwind(AssertUnwindSafe(move || body(sh)));
+            if let Err(payload) = r {
+                let msg = payload
+                    .downcast_ref::<&str>()
+                    .map(|s| s.to_string())
+                    .or_else(|| payload.downcast_ref::<String>().cloned())
+                    .unwrap_or_else(|| "(a non-string panic payload)".into());
+                fail(ThreadFault::Panic(msg));
+            }
+            shared.check_faults();
+            drop(guard);
+        })
+}
+
+/// Installs (once) a panic hook that reports a panic of a filtered VM
+/// thread as one log line, without the backtrace that the default hook
+/// would symbolise (that opens and maps the executable: syscalls a VM
+/// thread's filter forbids). Other threads keep the default hook.
+pub(crate) fn install_panic_hook() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let prev = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            let vm_thread = matches!(
+                seccomp::current_kind(),
+                Some(ThreadKind::Vcpu | ThreadKind::Device)
+            );
+            if vm_thread && seccomp::enabled() {
+                let t = std::thread::current();
+                let loc = info
+                    .location()
+                    .map(|l| format!("{}:{}", l.file(), l.line()))
+                    .unwrap_or_default();
+                let msg = info
+                    .payload()
+                    .downcast_ref::<&str>()
+                    .map(|s| s.to_string())
+                    .or_else(|| info.payload().downcast_ref::<String>().cloned())
+                    .unwrap_or_default();
+                tracing::error!(
+                    thread = t.name().unwrap_or("?"),
+                    "panicked at {loc}: {msg} (the VM fails; others go on)"
+                );
+            } else {
+                prev(info);
+            }
+        }));
+    });
+}
