@@ -22,6 +22,11 @@ impl Daemon {
     /// Starts a daemon with extra `serve` arguments and waits until its
     /// socket answers.
     pub fn start(extra: &[&str]) -> Self {
+        Self::start_with_env(extra, &[])
+    }
+
+    /// [`Daemon::start`] with extra environment variables.
+    pub fn start_with_env(extra: &[&str], env: &[(&str, &str)]) -> Self {
         static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
         let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let dir = std::env::temp_dir().join(format!("corral-api-{}-{n}", std::process::id()));
@@ -41,6 +46,7 @@ impl Daemon {
         args.extend_from_slice(extra);
         let child = Command::new(crate::corral_bin())
             .args(&args)
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::inherit())
