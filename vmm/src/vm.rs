@@ -1144,7 +1144,6 @@ pub fn start(cfg: &VmConfig) -> Result<VmHandle, VmError> {
         vcpus.push(v);
     }
 
-    crate::vmthread::install_panic_hook();
     let mut threads = Vec::new();
     let mut vcpu_tids = vec![0; cfg.vcpus.into()];
     for (i, v) in vcpus.into_iter().enumerate() {

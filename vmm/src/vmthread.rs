@@ -64,39 +64,3 @@ pub(crate) fn spawn(
             drop(guard);
         })
 }
-
-/// Installs (once) a panic hook that reports a panic of a filtered VM
-/// thread as one log line, without the backtrace that the default hook
-/// would symbolise (that opens and maps the executable: syscalls a VM
-/// thread's filter forbids). Other threads keep the default hook.
-pub(crate) fn install_panic_hook() {
-    static ONCE: std::sync::Once = std::sync::Once::new();
-    ONCE.call_once(|| {
-        let prev = std::panic::take_hook();
-        std::panic::set_hook(Box::new(move |info| {
-            let vm_thread = matches!(
-                seccomp::current_kind(),
-                Some(ThreadKind::Vcpu | ThreadKind::Device)
-            );
-            if vm_thread && seccomp::enabled() {
-                let t = std::thread::current();
-                let loc = info
-                    .location()
-                    .map(|l| format!("{}:{}", l.file(), l.line()))
-                    .unwrap_or_default();
-                let msg = info
-                    .payload()
-                    .downcast_ref::<&str>()
-                    .map(|s| s.to_string())
-                    .or_else(|| info.payload().downcast_ref::<String>().cloned())
-                    .unwrap_or_default();
-                tracing::error!(
-                    thread = t.name().unwrap_or("?"),
-                    "panicked at {loc}: {msg} (the VM fails; others go on)"
-                );
-            } else {
-                prev(info);
-            }
-        }));
-    });
-}

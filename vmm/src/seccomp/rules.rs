@@ -115,6 +115,11 @@ fn common(r: &mut Rules) {
     );
     // Locks and condition variables (std Mutex/Condvar, the gates, channels).
     allow(r, &[libc::SYS_futex, libc::SYS_sched_yield]);
+    // A signal (a kick, SIGTERM) that interrupts a timed futex wait or
+    // clock_nanosleep makes the kernel resume it through restart_syscall
+    // (trapped in the first `corral serve` runs under the filters: the
+    // scheduler thread's sleep failed and it panicked).
+    allow(r, &[libc::SYS_restart_syscall]);
     // Return from the kick (SIGRTMIN+1) and SIGSYS handlers; std and glibc
     // block signals around thread exit (seen on every thread's exit).
     allow(r, &[libc::SYS_rt_sigreturn, libc::SYS_rt_sigprocmask]);
@@ -359,6 +364,9 @@ fn runtime(r: &mut Rules) {
             libc::SYS_shutdown,
         ],
     );
+    // The default panic hook (runtime threads keep it): getcwd for short
+    // backtrace paths.
+    allow(r, &[libc::SYS_getcwd]);
     // Signals: tokio's SIGINT/SIGTERM handling, the kick and SIGSYS
     // handlers; process exit.
     allow(
