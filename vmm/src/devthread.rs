@@ -197,7 +197,7 @@ pub(crate) fn run(
         crate::seccomp::fault::injected("dev-syscall", &shared.name),
     );
     #[cfg(debug_assertions)]
-    let inject_at = std::time::Instant::now() + std::time::Duration::from_millis(200);
+    let inject_at = std::time::Instant::now() + std::time::Duration::from_millis(1000);
     loop {
         // A seccomp violation recorded by the SIGSYS handler (of any of the
         // VM's threads: it writes our wake-up fd) stops the VM.

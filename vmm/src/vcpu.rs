@@ -251,7 +251,7 @@ pub(crate) fn run(mut vcpu: VcpuFd, index: u8, shared: Arc<Shared>) {
 /// [`crate::seccomp::fault`]): `vcpu-panic:VM` panics vCPU 0 while it holds
 /// the VM's exit-reason lock (so the lock is poisoned, and must be
 /// recovered by everyone after), `vcpu-syscall:VM` makes vCPU 0 call a
-/// syscall outside its filter. Both fire once the guest has run for 200 ms.
+/// syscall outside its filter. Both fire once the guest has run for 1 s.
 #[cfg(debug_assertions)]
 mod fault_injection {
     use std::time::{Duration, Instant};
@@ -270,7 +270,7 @@ mod fault_injection {
             Self {
                 panic: index == 0 && fault::injected("vcpu-panic", vm),
                 syscall: index == 0 && fault::injected("vcpu-syscall", vm),
-                at: Instant::now() + Duration::from_millis(200),
+                at: Instant::now() + Duration::from_millis(1000),
             }
         }
 

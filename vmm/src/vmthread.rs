@@ -10,9 +10,9 @@ use std::thread::JoinHandle;
 use crate::seccomp::{self, ThreadKind, VmThreadGuard};
 use crate::vm::{ExitReason, Shared, ThreadFault};
 
-/// Spawns thread `name`, the `index`-th of `kind` in the VM. It sends its
-/// kernel tid on `tid` first, then installs its filter (fails closed: the VM
-/// fails if it cannot), then runs `body`. A panic in `body` is caught and
+/// Spawns thread `name`, the `index`-th of `kind` in the VM. It installs
+/// its filter, then sends its kernel tid on `tid` (fails closed: the VM
+/// fails if the filter cannot be installed), then runs `body`. A panic in `body` is caught and
 /// becomes the VM's exit reason; every other thread of the VM is then told
 /// to stop, as for any fatal exit.
 pub(crate) fn spawn(
@@ -26,9 +26,6 @@ pub(crate) fn spawn(
     std::thread::Builder::new()
         .name(name.clone())
         .spawn(move || {
-            // SAFETY: gettid has no preconditions.
-            let _ = tid.send(unsafe { libc::gettid() });
-            drop(tid);
             // SAFETY: `shared` (and so its `faults`) lives until the end of
             // this closure, after the guard is dropped.
             let guard = unsafe { VmThreadGuard::enter(shared.faults(), kind, index) };
@@ -44,7 +41,13 @@ pub(crate) fn spawn(
                     fault,
                 });
             };
-            if let Err(e) = seccomp::install(kind) {
+            let installed = seccomp::install(kind);
+            // The tid goes back once the filter is in place: when `start`
+            // returns, every thread of the VM runs under its filter.
+            // SAFETY: gettid has no preconditions.
+            let _ = tid.send(unsafe { libc::gettid() });
+            drop(tid);
+            if let Err(e) = installed {
                 tracing::error!(thread = name, "{e}");
                 fail(ThreadFault::Setup(e.to_string()));
                 drop(guard);
