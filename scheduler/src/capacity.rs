@@ -28,8 +28,7 @@
 //! Reservations are guarantees of the CPU that is there: when the
 //! reservations that classes claim (bounded by their demand) exceed the
 //! planned capacity, they are scaled down in proportion and the policy
-//! reports the missing fraction ([`HostLoad::shortfall_ratio`]) instead of
-//! hiding it.
+//! reports the missing fraction ([`shortfall_ratio`]) instead of hiding it.
 
 /// Time constant of the outside-load average, ns. `/proc/stat` counts in
 /// 10 ms jiffies: one 40 ms sample on 2 CPUs is 8 jiffies, ±1 of which is
@@ -139,16 +138,16 @@ impl HostLoad {
         self.outside_seen = false;
         self.recompute();
     }
+}
 
-    /// Fraction of the reservations claimed now (`claimed_pct`: each class's
-    /// reservation bounded by its demand) that the planned capacity cannot
-    /// deliver: `0` when they fit, up to `1`.
-    pub fn shortfall_ratio(&self, claimed_pct: f64) -> f64 {
-        if claimed_pct <= 0.0 {
-            return 0.0;
-        }
-        ((claimed_pct - self.available) / claimed_pct).clamp(0.0, 1.0)
+/// Fraction of the reservations claimed now (`claimed_pct`: each class's
+/// reservation bounded by its demand) that `available_pct` cannot deliver:
+/// `0` when they fit, up to `1`.
+pub fn shortfall_ratio(claimed_pct: f64, available_pct: f64) -> f64 {
+    if claimed_pct <= 0.0 {
+        return 0.0;
     }
+    ((claimed_pct - available_pct) / claimed_pct).clamp(0.0, 1.0)
 }
 
 #[cfg(test)]
@@ -185,11 +184,9 @@ mod tests {
 
     #[test]
     fn shortfall_is_the_missing_fraction_of_claimed_reservations() {
-        let mut h = HostLoad::new(200.0);
-        assert_eq!(h.shortfall_ratio(0.0), 0.0);
-        assert_eq!(h.shortfall_ratio(150.0), 0.0);
-        h.add_outside_sample(100.0, 40_000_000);
-        assert_eq!(h.shortfall_ratio(100.0), 0.0);
-        assert!((h.shortfall_ratio(150.0) - 1.0 / 3.0).abs() < 1e-9);
+        assert_eq!(shortfall_ratio(0.0, 200.0), 0.0);
+        assert_eq!(shortfall_ratio(150.0, 200.0), 0.0);
+        assert_eq!(shortfall_ratio(100.0, 100.0), 0.0);
+        assert!((shortfall_ratio(150.0, 100.0) - 1.0 / 3.0).abs() < 1e-9);
     }
 }

@@ -1217,7 +1217,7 @@ impl Policy {
             steal_pct: self.host.steal_pct(),
             outside_pct: self.host.outside_pct(),
             claimed_reservations_pct: self.claimed_pct,
-            shortfall_ratio: self.host.shortfall_ratio(self.claimed_pct),
+            shortfall_ratio: crate::capacity::shortfall_ratio(self.claimed_pct, self.capacity_pct),
             reserved_pct: self.reserved_pct,
             ticks: self.ticks,
             last_tick_ns: self.last_now,

@@ -12,6 +12,7 @@ struct Setup {
     cpus: u32,
     classes: Vec<(u32, Option<u32>, u32)>,
     vms: Vec<(usize, u32, u32, u32)>, // class, weight, vcpus, runnable
+    vm_caps: Vec<Option<u32>>,
 }
 
 fn setup() -> impl Strategy<Value = Setup> {
@@ -22,9 +23,15 @@ fn setup() -> impl Strategy<Value = Setup> {
                 Just(cpus),
                 prop::collection::vec(class, 1..6),
                 prop::collection::vec((0usize..6, 1u32..=10_000, 1u32..=4, 0u32..=4), 0..16),
+                prop::collection::vec(prop::option::weighted(0.3, 1u32..=300), 16),
             )
         })
-        .prop_map(|(cpus, classes, vms)| Setup { cpus, classes, vms })
+        .prop_map(|(cpus, classes, vms, vm_caps)| Setup {
+            cpus,
+            classes,
+            vms,
+            vm_caps,
+        })
 }
 
 /// Builds the model, dropping reservations that admission control refuses.
@@ -44,11 +51,9 @@ fn build(s: &Setup) -> (Model, Vec<u32>) {
     let mut runnable = Vec::new();
     for (i, &(class, weight, vcpus, run)) in s.vms.iter().enumerate() {
         let class = format!("c{}", class % s.classes.len());
-        m.add_vm(
-            VmId(i as u64),
-            VmSpec::new(class, vcpus).with_weight(weight),
-        )
-        .unwrap();
+        let mut spec = VmSpec::new(class, vcpus).with_weight(weight);
+        spec.cap = s.vm_caps[i];
+        m.add_vm(VmId(i as u64), spec).unwrap();
         runnable.push(run.min(vcpus));
     }
     (m, runnable)
@@ -57,8 +62,8 @@ fn build(s: &Setup) -> (Model, Vec<u32>) {
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(256))]
 
-    /// Entitlements never exceed capacity, caps or what the runnable vCPUs
-    /// can use; reservations are honoured up to demand; the whole capacity
+    /// Entitlements never exceed capacity, class or VM caps, or what the
+    /// runnable vCPUs can use; reservations are honoured up to demand; the whole capacity
     /// is handed out when demand allows (work conservation); VM
     /// entitlements add up to their class's.
     #[test]
@@ -73,7 +78,10 @@ proptest! {
             let demand: f64 = m
                 .vms()
                 .filter(|(_, v)| v.class == name)
-                .map(|(id, _)| f64::from(runnable[id.0 as usize]) * 100.0)
+                .map(|(id, v)| {
+                    let d = f64::from(runnable[id.0 as usize]) * 100.0;
+                    v.cap.map_or(d, |c| d.min(f64::from(c)))
+                })
                 .sum();
             let hi = spec.cap.map_or(demand, |c| demand.min(f64::from(c)));
             prop_assert!(got <= hi + EPS, "{name}: {got} > {hi}");
@@ -92,7 +100,9 @@ proptest! {
             let ent = e.vms[&id];
             prop_assert!(ent >= 0.0);
             prop_assert!(ent <= f64::from(runnable[id.0 as usize]) * 100.0 + EPS);
-            let _ = v;
+            if let Some(c) = v.cap {
+                prop_assert!(ent <= f64::from(c) + EPS, "VM {id}: {ent} > its cap {c}");
+            }
         }
         prop_assert!(total <= cap_total + 1e-4);
         prop_assert!((total - wanted.min(cap_total)).abs() < 1e-4, "total {total} wanted {wanted}");
@@ -166,7 +176,7 @@ proptest! {
             for d in out.vms() {
                 let i = d.vm.0 as usize;
                 let spec = m.vm(d.vm).unwrap();
-                let capped = m.class(&spec.class).unwrap().cap.is_some();
+                let capped = m.class(&spec.class).unwrap().cap.is_some() || spec.cap.is_some();
                 if capped {
                     continue;
                 }
@@ -177,6 +187,44 @@ proptest! {
                     prop_assert!(d.should_run, "parked although the host has room");
                 }
             }
+        }
+    }
+
+    /// Whatever outside load and steal are measured, the policy plans with
+    /// nominal less what they take (never below a quarter of it), hands out
+    /// no more than that, and reports a shortfall exactly when the claimed
+    /// reservations do not fit.
+    #[test]
+    fn outside_load_bounds_the_plan(
+        s in setup(),
+        samples in prop::collection::vec((0.0f64..900.0, 0.0f64..100.0, 1u64..200_000_000), 1..10),
+    ) {
+        let (m, runnable) = build(&s);
+        let mut p = Policy::new(PolicyConfig::default());
+        let nominal = m.capacity().percent() as f64;
+        let mut t = 0;
+        for (outside, steal, interval) in samples {
+            p.set_measured_outside(Some(outside), interval);
+            p.set_measured_steal(Some(steal));
+            let usages: Vec<VmUsage> = (0..s.vms.len())
+                .map(|i| {
+                    VmUsage::total(VmId(i as u64), t, true)
+                        .with_runnable_vcpus(runnable[i])
+                })
+                .collect();
+            p.tick(&m, t, &usages);
+            t += 10_000_000;
+            let st = p.stats();
+            let h = p.host_load();
+            prop_assert!(st.available_pct >= nominal / 4.0 - EPS);
+            prop_assert!(st.available_pct <= nominal + EPS);
+            prop_assert!((h.available_pct() - st.available_pct).abs() <= 1.0 + EPS);
+            let taken = h.outside_pct() + h.steal_pct();
+            prop_assert!(h.available_pct() >= nominal - taken - EPS);
+            let handed: f64 = st.classes.iter().map(|c| c.entitlement_pct).sum();
+            prop_assert!(handed <= st.available_pct + 1e-4, "{handed} > {}", st.available_pct);
+            let short = st.claimed_reservations_pct > st.available_pct + EPS;
+            prop_assert_eq!(st.shortfall_ratio > 0.0, short);
         }
     }
 }
