@@ -56,6 +56,8 @@ pub const DEFAULT_WEIGHT: u32 = 100;
 pub const MAX_VCPUS: u32 = 1024;
 /// Longest class name, in bytes.
 pub const MAX_CLASS_NAME_LEN: usize = 64;
+/// Deepest class tree: a root class is at depth 1.
+pub const MAX_DEPTH: usize = 8;
 
 /// Identifier of a VM, chosen by the caller (the VMM's manager).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -384,6 +386,28 @@ pub enum ModelError {
     /// Unknown class.
     #[error("no class named {0:?}")]
     UnknownClass(String),
+    /// Unknown parent class.
+    #[error("no parent class named {0:?}")]
+    UnknownParent(String),
+    /// A class tree deeper than [`MAX_DEPTH`].
+    #[error("class {class:?} would be at depth {depth}; classes nest at most {MAX_DEPTH} deep")]
+    TooDeep {
+        /// The class being created.
+        class: String,
+        /// Its depth.
+        depth: usize,
+    },
+    /// Naming another parent for an existing class.
+    #[error("class {0:?} already exists under another parent; a class cannot move in the tree")]
+    ParentChange(String),
+    /// Deleting a class that still has child classes.
+    #[error("class {name:?} still has {children} child class(es); delete them first")]
+    ClassHasChildren {
+        /// The class.
+        name: String,
+        /// How many children it has.
+        children: usize,
+    },
     /// Deleting a class that still has VMs.
     #[error("class {name:?} still has {vms} VM(s); move or remove them first")]
     ClassNotEmpty {
@@ -411,12 +435,17 @@ impl ModelError {
             | InvalidVcpus(_)
             | InvalidCap(_)
             | InvalidCapacity
+            | TooDeep { .. }
             | ReservationAboveCap { .. } => ErrorKind::Invalid,
             ReservationExceedsCapacity { .. } | CapacityBelowReservations { .. } => {
                 ErrorKind::Refused
             }
-            ClassExists(_) | ClassNotEmpty { .. } | VmExists(_) => ErrorKind::Conflict,
-            UnknownClass(_) | UnknownVm(_) => ErrorKind::NotFound,
+            ClassExists(_)
+            | ClassNotEmpty { .. }
+            | ClassHasChildren { .. }
+            | ParentChange(_)
+            | VmExists(_) => ErrorKind::Conflict,
+            UnknownClass(_) | UnknownParent(_) | UnknownVm(_) => ErrorKind::NotFound,
         }
     }
 }
@@ -425,7 +454,11 @@ impl ModelError {
 struct ClassEntry {
     spec: ClassSpec,
     vms: usize,
+    parent: Option<String>,
 }
+
+#[path = "model_tree.rs"]
+pub mod tree;
 
 /// Capacity, classes and VMs. See the [module docs](self).
 ///
@@ -497,17 +530,34 @@ impl Model {
         self.generation += 1;
     }
 
-    /// Admission check for giving `name` the spec `spec` (replacing its
-    /// current reservation if it exists). Returns the new reserved total.
-    fn admit_class(&self, name: &str, spec: &ClassSpec) -> Result<u64, ModelError> {
+    /// Admission check for giving `name` the spec `spec` under `parent`
+    /// (replacing its current settings if it exists). Returns the new
+    /// reserved total. See [`tree`] for how reservations add up in a tree.
+    fn admit_class(
+        &self,
+        name: &str,
+        spec: &ClassSpec,
+        parent: Option<&str>,
+    ) -> Result<u64, ModelError> {
         spec.validate()?;
-        let old = self
-            .classes
-            .get(name)
-            .map_or(0, |c| c.spec.reserved_percent());
-        let others = self.reserved - old;
-        let total = others + spec.reserved_percent();
+        let mut next = self.classes.clone();
+        let vms = next.get(name).map_or(0, |c| c.vms);
+        next.insert(
+            name.to_owned(),
+            ClassEntry {
+                spec: *spec,
+                vms,
+                parent: parent.map(str::to_owned),
+            },
+        );
+        let total = tree::reserved_total(&next)?;
         if total > self.capacity.percent() {
+            // What this class could still reserve: capacity less the total
+            // without its own reservation.
+            if let Some(c) = next.get_mut(name) {
+                c.spec.reservation = None;
+            }
+            let others = tree::reserved_total(&next).unwrap_or(total);
             return Err(ModelError::ReservationExceedsCapacity {
                 class: name.to_owned(),
                 total,
@@ -518,26 +568,59 @@ impl Model {
         Ok(total)
     }
 
-    /// Creates a class. Fails if the name is invalid or taken, the spec is
-    /// invalid, or admission control refuses its reservation.
+    /// Creates a root class. Fails if the name is invalid or taken, the spec
+    /// is invalid, or admission control refuses its reservation.
     pub fn create_class(&mut self, name: &str, spec: ClassSpec) -> Result<(), ModelError> {
+        self.create_class_in(name, spec, None)
+    }
+
+    /// Creates a class under `parent` (`None`: a root class). Shares divide
+    /// the parent's portion among its children (and the VMs directly in
+    /// it); at most [`MAX_DEPTH`] levels.
+    pub fn create_class_in(
+        &mut self,
+        name: &str,
+        spec: ClassSpec,
+        parent: Option<&str>,
+    ) -> Result<(), ModelError> {
         validate_class_name(name)?;
         if self.classes.contains_key(name) {
             return Err(ModelError::ClassExists(name.to_owned()));
         }
-        self.reserved = self.admit_class(name, &spec)?;
-        self.classes
-            .insert(name.to_owned(), ClassEntry { spec, vms: 0 });
+        if let Some(p) = parent {
+            let depth = self
+                .class_depth(p)
+                .ok_or_else(|| ModelError::UnknownParent(p.to_owned()))?;
+            if depth + 1 > MAX_DEPTH {
+                return Err(ModelError::TooDeep {
+                    class: name.to_owned(),
+                    depth: depth + 1,
+                });
+            }
+        }
+        self.reserved = self.admit_class(name, &spec, parent)?;
+        self.classes.insert(
+            name.to_owned(),
+            ClassEntry {
+                spec,
+                vms: 0,
+                parent: parent.map(str::to_owned),
+            },
+        );
         self.bump();
         Ok(())
     }
 
-    /// Replaces the spec of an existing class (live; VMs stay in it).
+    /// Replaces the spec of an existing class (live; VMs and children stay
+    /// in it, its parent is kept).
     pub fn update_class(&mut self, name: &str, spec: ClassSpec) -> Result<(), ModelError> {
-        if !self.classes.contains_key(name) {
-            return Err(ModelError::UnknownClass(name.to_owned()));
-        }
-        let total = self.admit_class(name, &spec)?;
+        let parent = self
+            .classes
+            .get(name)
+            .ok_or_else(|| ModelError::UnknownClass(name.to_owned()))?
+            .parent
+            .clone();
+        let total = self.admit_class(name, &spec, parent.as_deref())?;
         self.reserved = total;
         if let Some(c) = self.classes.get_mut(name) {
             c.spec = spec;
@@ -546,17 +629,35 @@ impl Model {
         Ok(())
     }
 
-    /// Creates the class or updates it if it exists. Returns `true` if it was
-    /// created.
+    /// Creates the class (a root) or updates it if it exists. Returns `true`
+    /// if it was created.
     pub fn set_class(&mut self, name: &str, spec: ClassSpec) -> Result<bool, ModelError> {
-        if self.classes.contains_key(name) {
-            self.update_class(name, spec).map(|()| false)
-        } else {
-            self.create_class(name, spec).map(|()| true)
+        self.set_class_in(name, spec, None)
+    }
+
+    /// Creates the class under `parent` or updates it if it exists; an
+    /// existing class keeps its parent, and naming another one is refused
+    /// ([`ModelError::ParentChange`]; `None` means "keep"). Returns `true`
+    /// if it was created.
+    pub fn set_class_in(
+        &mut self,
+        name: &str,
+        spec: ClassSpec,
+        parent: Option<&str>,
+    ) -> Result<bool, ModelError> {
+        match self.classes.get(name) {
+            Some(c) => {
+                if parent.is_some() && parent != c.parent.as_deref() {
+                    return Err(ModelError::ParentChange(name.to_owned()));
+                }
+                self.update_class(name, spec).map(|()| false)
+            }
+            None => self.create_class_in(name, spec, parent).map(|()| true),
         }
     }
 
-    /// Deletes an empty class, returning its spec. Refused while VMs are in it.
+    /// Deletes an empty class, returning its spec. Refused while VMs or
+    /// child classes are in it.
     pub fn delete_class(&mut self, name: &str) -> Result<ClassSpec, ModelError> {
         let entry = self
             .classes
@@ -568,11 +669,63 @@ impl Model {
                 vms: entry.vms,
             });
         }
+        let children = self.class_children(name).count();
+        if children > 0 {
+            return Err(ModelError::ClassHasChildren {
+                name: name.to_owned(),
+                children,
+            });
+        }
         let spec = entry.spec;
         self.classes.remove(name);
-        self.reserved -= spec.reserved_percent();
+        self.reserved = tree::reserved_total(&self.classes).unwrap_or(self.reserved);
         self.bump();
         Ok(spec)
+    }
+
+    /// A class's parent (`None` for a root class or an unknown one).
+    pub fn class_parent(&self, name: &str) -> Option<&str> {
+        self.classes.get(name)?.parent.as_deref()
+    }
+
+    /// A class's children, by name.
+    pub fn class_children<'a>(&'a self, name: &'a str) -> impl Iterator<Item = &'a str> + 'a {
+        self.classes
+            .iter()
+            .filter(move |(_, c)| c.parent.as_deref() == Some(name))
+            .map(|(n, _)| n.as_str())
+    }
+
+    /// A class's depth (1 for a root class), `None` if unknown.
+    pub fn class_depth(&self, name: &str) -> Option<usize> {
+        let mut depth = 1;
+        let mut c = self.classes.get(name)?;
+        while let Some(p) = &c.parent {
+            depth += 1;
+            c = self.classes.get(p)?;
+        }
+        Some(depth)
+    }
+
+    /// The path from the root to `name` (root first), empty if unknown.
+    pub fn class_path<'a>(&'a self, name: &'a str) -> Vec<&'a str> {
+        let mut path = Vec::new();
+        let mut cur = Some(name);
+        while let Some(n) = cur {
+            let Some(c) = self.classes.get(n) else {
+                return Vec::new();
+            };
+            path.push(n);
+            cur = c.parent.as_deref();
+        }
+        path.reverse();
+        path
+    }
+
+    /// A class's effective reservation: its own, or what its children
+    /// reserve together if that is more (see [`tree`]).
+    pub fn class_reserved_percent(&self, name: &str) -> Option<u64> {
+        tree::effective(&self.classes, name)
     }
 
     /// The spec of a class.
