@@ -30,6 +30,9 @@ use std::hash::{BuildHasherDefault, Hasher};
 use thiserror::Error;
 
 use crate::capacity::HostLoad;
+
+#[path = "policy_tree.rs"]
+mod tree;
 use crate::model::{ClassSpec, Model, VmId, VmSpec};
 
 /// Tunables of the policy. Both can be changed live.
@@ -275,6 +278,8 @@ pub struct VmStats {
 pub struct ClassStats {
     /// Class name.
     pub name: String,
+    /// Its parent class, if it is not a root.
+    pub parent: Option<String>,
     /// Its settings.
     pub spec: ClassSpec,
     /// Number of VMs.
@@ -283,7 +288,8 @@ pub struct ClassStats {
     pub parked_vms: usize,
     /// Class entitlement, percent of one CPU.
     pub entitlement_pct: f64,
-    /// CPU used by its VMs, percent of one CPU, averaged over about a period.
+    /// CPU used by the VMs of its subtree, percent of one CPU, averaged over
+    /// about a period.
     pub used_pct: f64,
     /// Total CPU time of its current VMs, ns.
     pub cpu_ns: u64,
@@ -425,12 +431,29 @@ impl VmState {
 struct ClassState {
     name: String,
     spec: ClassSpec,
+    /// Parent class (index), `None` for a root.
+    parent: Option<usize>,
+    /// Child classes (indices).
+    children: Vec<usize>,
+    /// Effective reservation: own, or the children's together if more.
+    eff_res: f64,
     start: usize,
     end: usize,
+    /// vCPUs of the VMs in its subtree.
     vcpus: u64,
     budget: f64,
     ent: f64,
+    /// Demand of its subtree (own VMs' capped demand + children's bounds).
+    sub_demand: f64,
+    /// Water-filling bounds of the class among its siblings.
+    lo: f64,
+    hi: f64,
     cap_bound: bool,
+    /// It or an ancestor is held back by its cap.
+    held: bool,
+    /// It or an ancestor has spent its cap budget.
+    spent: bool,
+    /// CPU used by its subtree in the last tick.
     used_ns: u64,
     used_pct: f64,
 }
@@ -520,6 +543,8 @@ pub struct Policy {
     reserved_pct: u64,
     vms: Vec<VmState>,
     classes: Vec<ClassState>,
+    /// Class indices by depth, roots first.
+    tree_order: Vec<usize>,
     index: IdMap,
     last_now: Option<u64>,
     ticks: u64,
@@ -556,6 +581,7 @@ impl Policy {
             reserved_pct: 0,
             vms: Vec::new(),
             classes: Vec::new(),
+            tree_order: Vec::new(),
             index: IdMap::default(),
             last_now: None,
             ticks: 0,
@@ -628,15 +654,32 @@ impl Policy {
             self.classes.push(ClassState {
                 name: name_owned,
                 spec: *spec,
+                parent: None,
+                children: Vec::new(),
+                eff_res: 0.0,
                 start: 0,
                 end: 0,
                 vcpus: 0,
                 budget,
                 ent: 0.0,
+                sub_demand: 0.0,
+                lo: 0.0,
+                hi: 0.0,
                 cap_bound: false,
+                held: false,
+                spent: false,
                 used_ns: 0,
                 used_pct,
             });
+        }
+        for (ci, name) in names.iter().enumerate() {
+            let parent = model
+                .class_parent(name)
+                .and_then(|p| names.binary_search(&p).ok());
+            self.classes[ci].parent = parent;
+            if let Some(p) = parent {
+                self.classes[p].children.push(ci);
+            }
         }
 
         let mut order: Vec<(usize, VmId, &VmSpec)> = model
@@ -678,6 +721,7 @@ impl Policy {
                 c.start = 0;
             }
         }
+        self.sync_tree();
     }
 
     /// Tells the next tick how much host CPU was really idle during it
@@ -840,65 +884,6 @@ impl Policy {
         }
     }
 
-    /// Water-filling among classes, then among the VMs of each class.
-    fn compute_entitlements(&mut self) {
-        let Policy {
-            vms,
-            classes,
-            items,
-            shares,
-            events,
-            capacity_pct,
-            claimed_pct,
-            ..
-        } = self;
-        items.clear();
-        *claimed_pct = 0.0;
-        for c in classes.iter() {
-            // fold from +0.0: an empty class's sum() would be -0.0 (shown as "-0.0").
-            let demand = vms[c.start..c.end]
-                .iter()
-                .fold(0.0, |a, v| a + v.capped_demand());
-            let hi = c.spec.cap.map_or(demand, |cap| demand.min(f64::from(cap)));
-            let lo = (c.spec.reserved_percent() as f64).min(hi);
-            *claimed_pct += lo;
-            items.push(Wf {
-                w: f64::from(c.spec.shares),
-                lo,
-                hi,
-            });
-        }
-        water_fill(items, *capacity_pct, shares, events);
-        for (ci, c) in classes.iter_mut().enumerate() {
-            c.ent = shares[ci];
-            let demand = items[ci].hi;
-            c.cap_bound = c.spec.cap.is_some_and(|cap| {
-                let cap = f64::from(cap);
-                demand >= cap - 1e-9 && c.ent >= cap - 1e-6
-            });
-        }
-        for c in classes.iter() {
-            let range = c.start..c.end;
-            if range.is_empty() {
-                continue;
-            }
-            items.clear();
-            items.extend(vms[range.clone()].iter().map(|v| Wf {
-                w: f64::from(v.weight),
-                lo: 0.0,
-                hi: v.capped_demand(),
-            }));
-            water_fill(items, c.ent, shares, events);
-            for (v, &e) in vms[range].iter_mut().zip(shares.iter()) {
-                v.ent = e;
-                v.cap_bound = v.cap.is_some_and(|cap| {
-                    let cap = f64::from(cap);
-                    v.demand >= cap - 1e-9 && e >= cap - 1e-6
-                });
-            }
-        }
-    }
-
     /// Credits and cap budgets for the `dt` ns that just elapsed.
     fn account(&mut self, dt: u64) {
         let dtf = dt as f64;
@@ -911,15 +896,13 @@ impl Policy {
         // Work-conservation feedback: host CPU left idle during the tick
         // while admissible VMs waited parked (a VM that was admitted went
         // idle mid-tick) raises the admission margin; it decays otherwise.
+        self.refresh_holds();
         let mut used_total = 0.0;
         let mut waiting = 0.0;
         for vm in &self.vms {
             used_total += vm.used_ns as f64;
             let c = &self.classes[vm.class];
-            let held_by_a_cap = c.cap_bound
-                || vm.cap_bound
-                || vm.cap_spent()
-                || (c.spec.cap.is_some() && c.budget <= 0.0);
+            let held_by_a_cap = c.held || vm.cap_bound || vm.cap_spent() || c.spent;
             if vm.parked && vm.runnable > 0 && !held_by_a_cap {
                 waiting += vm.demand;
             }
@@ -999,7 +982,7 @@ impl Policy {
                     excess += credit - keep;
                 }
                 credit = keep;
-            } else if vm.runnable > 0 && !self.classes[vm.class].cap_bound && !vm.cap_bound {
+            } else if vm.runnable > 0 && !self.classes[vm.class].held && !vm.cap_bound {
                 receivers += vm.ent;
             }
             vm.credit = credit.max(lower);
@@ -1019,7 +1002,7 @@ impl Policy {
                 let upper = period * vm.ent_ref / 100.0;
                 if vm.runnable > 0
                     && (vm.parked || vm.credit < upper)
-                    && !self.classes[vm.class].cap_bound
+                    && !self.classes[vm.class].held
                     && !vm.cap_bound
                 {
                     vm.credit += per_pct * vm.ent;
@@ -1029,6 +1012,7 @@ impl Policy {
                 }
             }
         }
+        self.add_subtree_usage();
         for c in &mut self.classes {
             let used = c.used_ns as f64;
             c.used_pct += alpha * (used / dtf * 100.0 - c.used_pct);
@@ -1046,6 +1030,7 @@ impl Policy {
 
     /// Chooses which VMs run.
     fn decide(&mut self) {
+        self.refresh_holds();
         let Policy {
             vms,
             classes,
@@ -1057,13 +1042,13 @@ impl Policy {
         candidates.clear();
         for (i, vm) in vms.iter_mut().enumerate() {
             let c = &classes[vm.class];
-            vm.run = if (c.spec.cap.is_some() && c.budget <= 0.0) || vm.cap_spent() {
+            vm.run = if c.spent || vm.cap_spent() {
                 // Class or VM cap budget spent: parked even on an idle host.
                 false
             } else if vm.runnable == 0 {
                 // Idle VMs stay unparked so they react at once when they wake.
                 true
-            } else if (c.cap_bound || vm.cap_bound) && vm.credit <= 0.0 {
+            } else if (c.held || vm.cap_bound) && vm.credit <= 0.0 {
                 // Held back by its class's or its own cap: no credit, no
                 // CPU, even if the host is idle.
                 false
@@ -1157,6 +1142,7 @@ impl Policy {
         let members = self.vms.get(c.start..c.end).unwrap_or(&[]);
         ClassStats {
             name: c.name.clone(),
+            parent: c.parent.map(|p| self.classes[p].name.clone()),
             spec: c.spec,
             vms: members.len(),
             parked_vms: members.iter().filter(|v| v.parked).count(),

@@ -66,6 +66,28 @@ impl Scheduler {
         self.synced(r)
     }
 
+    /// See [`Model::create_class_in`].
+    pub fn create_class_in(
+        &mut self,
+        name: &str,
+        spec: ClassSpec,
+        parent: Option<&str>,
+    ) -> Result<(), ModelError> {
+        let r = self.model.create_class_in(name, spec, parent);
+        self.synced(r)
+    }
+
+    /// See [`Model::set_class_in`].
+    pub fn set_class_in(
+        &mut self,
+        name: &str,
+        spec: ClassSpec,
+        parent: Option<&str>,
+    ) -> Result<bool, ModelError> {
+        let r = self.model.set_class_in(name, spec, parent);
+        self.synced(r)
+    }
+
     /// See [`Model::update_class`].
     pub fn update_class(&mut self, name: &str, spec: ClassSpec) -> Result<(), ModelError> {
         let r = self.model.update_class(name, spec);

@@ -485,6 +485,16 @@ impl Simulator {
         self.scheduler.create_class(name, spec)
     }
 
+    /// Creates a class under `parent`.
+    pub fn create_class_in(
+        &mut self,
+        name: &str,
+        spec: ClassSpec,
+        parent: &str,
+    ) -> Result<(), ModelError> {
+        self.scheduler.create_class_in(name, spec, Some(parent))
+    }
+
     /// Adds a VM starting now and returns its id.
     pub fn add_vm(
         &mut self,
