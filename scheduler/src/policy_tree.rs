@@ -118,10 +118,12 @@ impl Policy {
             });
         }
         water_fill(items, *capacity_pct, shares, events);
-        let mut k = 0;
-        for c in classes.iter_mut().filter(|c| c.parent.is_none()) {
-            c.ent = shares[k];
-            k += 1;
+        for (c, &e) in classes
+            .iter_mut()
+            .filter(|c| c.parent.is_none())
+            .zip(shares.iter())
+        {
+            c.ent = e;
         }
         // Top-down: each class's amount among its children and own VMs.
         for &ci in tree_order.iter() {
@@ -146,9 +148,9 @@ impl Policy {
             }));
             water_fill(items, c.ent, shares, events);
             let nch = c.children.len();
-            for j in 0..nch {
+            for (j, &e) in shares[..nch].iter().enumerate() {
                 let ch = classes[ci].children[j];
-                classes[ch].ent = shares[j];
+                classes[ch].ent = e;
             }
             for (v, &e) in vms[range].iter_mut().zip(shares[nch..].iter()) {
                 v.ent = e;
