@@ -96,6 +96,7 @@ async fn run(c: &Client, a: &DemoArgs) -> Result<(), CliError> {
     );
     for (name, shares) in [("gold", a.gold), ("bronze", a.bronze)] {
         let body = dto::ClassPut {
+            parent: None,
             shares,
             cap: None,
             reservation: None,

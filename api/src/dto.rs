@@ -114,6 +114,9 @@ fn default_shares() -> u32 {
 #[serde(deny_unknown_fields)]
 pub struct ClassCreate {
     pub name: String,
+    /// Parent class (the new class divides its portion with its siblings).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parent: Option<String>,
     #[serde(default = "default_shares")]
     pub shares: u32,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -128,6 +131,10 @@ pub struct ClassCreate {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ClassPut {
+    /// Parent class when the PUT creates the class; an existing class keeps
+    /// its parent (another one is a 409).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parent: Option<String>,
     #[serde(default = "default_shares")]
     pub shares: u32,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -207,6 +214,8 @@ impl ClassPatch {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Class {
     pub name: String,
+    pub parent: Option<String>,
+    pub children: Vec<String>,
     pub shares: u32,
     pub cap: Option<u32>,
     pub reservation: Option<u32>,
@@ -221,6 +230,8 @@ impl From<ClassInfo> for Class {
     fn from(c: ClassInfo) -> Self {
         Class {
             name: c.name,
+            parent: c.parent,
+            children: c.children,
             shares: c.config.cpu.shares,
             cap: c.config.cpu.cap,
             reservation: c.config.cpu.reservation,

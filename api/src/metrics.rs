@@ -301,9 +301,20 @@ pub fn render(m: &Manager, format: Format) -> String {
         "corral_class_cpu_used_ratio",
         "CPU the class used over the last accounting period, in host CPUs",
     );
+    let ctree = r.ints(
+        "corral_class_info",
+        "Always 1; the `parent` label names the class's parent in the class tree (empty for a root class)",
+    );
     let climits = LimitFams::new(&mut r, "corral_class_io", "Class I/O group");
     for c in &classes {
         let base = l(&[("class", &c.name)]);
+        ctree.set(
+            l(&[
+                ("class", &c.name),
+                ("parent", c.parent.as_deref().unwrap_or("")),
+            ]),
+            1,
+        );
         ccpu.set(base.clone(), c.cpu_secs);
         shares.set(base.clone(), u64::from(c.config.cpu.shares));
         if let Some(v) = c.config.cpu.cap {

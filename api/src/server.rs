@@ -243,13 +243,17 @@ async fn create_class(
     ApiJson(body): ApiJson<dto::ClassCreate>,
 ) -> ApiResult<(StatusCode, Json<dto::Class>)> {
     let put = dto::ClassPut {
+        parent: body.parent,
         shares: body.shares,
         cap: body.cap,
         reservation: body.reservation,
         io: body.io,
     };
     let name = body.name;
-    let c = blocking(&s.mgr, move |m| m.create_class(&name, put.config())).await?;
+    let c = blocking(&s.mgr, move |m| {
+        m.create_class_in(&name, put.config(), put.parent.as_deref())
+    })
+    .await?;
     Ok((StatusCode::CREATED, Json(c.into())))
 }
 
@@ -266,7 +270,10 @@ async fn put_class(
     ApiPath(name): ApiPath<String>,
     ApiJson(body): ApiJson<dto::ClassPut>,
 ) -> ApiResult<(StatusCode, Json<dto::Class>)> {
-    let (created, c) = blocking(&s.mgr, move |m| m.set_class(&name, body.config())).await?;
+    let (created, c) = blocking(&s.mgr, move |m| {
+        m.set_class_in(&name, body.config(), body.parent.as_deref())
+    })
+    .await?;
     let code = if created {
         StatusCode::CREATED
     } else {

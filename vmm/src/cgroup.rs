@@ -2,7 +2,10 @@
 //! through Linux cgroups so the two can be compared on one workload.
 //!
 //! Layout: `<cpu controller>/corral-<instance>/<class>/<vm>/`, vCPU threads in
-//! the VM's group. Classes get their shares as `cpu.weight` (v2, 1..10000: the
+//! the VM's group; a child class's group is inside its parent's
+//! (`.../<tenant>/<class>/<vm>/`), so nested groups divide CPU by weight at
+//! every level, as the gate backend's class tree does. Class arguments are
+//! paths from the root class, `/`-separated. Classes get their shares as `cpu.weight` (v2, 1..10000: the
 //! same scale) or `cpu.shares` (v1, shares × 10, so 1..10000 → 10..100000),
 //! their cap as `cpu.max` / `cpu.cfs_quota_us` over a 100 ms period; a VM's
 //! weight inside its class becomes the weight of its own group, and its own
@@ -114,9 +117,21 @@ impl CgroupBackend {
             fs::create_dir(dir).map_err(io_at(dir))?;
             if self.version == CgroupVersion::V2 {
                 write(&dir.join("cgroup.type"), "threaded")?;
+                // Child classes and VM groups below need the controller.
+                let _ = write(&dir.join("cgroup.subtree_control"), "+cpu");
             }
         }
         Ok(())
+    }
+
+    /// The group of a class given by its path from the root class,
+    /// `/`-separated (`tenant-a/a-web`; a root class is just its name).
+    fn class_dir(&self, class_path: &str) -> Result<PathBuf, CgroupError> {
+        let mut dir = self.root.clone();
+        for part in class_path.split('/') {
+            dir.push(check_name(part)?);
+        }
+        Ok(dir)
     }
 
     fn set_weight(&self, dir: &Path, weight: u32) -> Result<(), CgroupError> {
@@ -152,7 +167,7 @@ impl CgroupBackend {
         shares: u32,
         cap_pct: Option<u32>,
     ) -> Result<(), CgroupError> {
-        let dir = self.root.join(check_name(class)?);
+        let dir = self.class_dir(class)?;
         self.ensure_dir(&dir)?;
         self.set_weight(&dir, shares)?;
         self.set_cap(&dir, cap_pct)
@@ -166,7 +181,7 @@ impl CgroupBackend {
         weight: u32,
         tids: &[libc::pid_t],
     ) -> Result<(), CgroupError> {
-        let dir = self.root.join(check_name(class)?).join(check_name(vm)?);
+        let dir = self.class_dir(class)?.join(check_name(vm)?);
         self.ensure_dir(&dir)?;
         self.set_weight(&dir, weight)?;
         let file = match self.version {
@@ -187,25 +202,25 @@ impl CgroupBackend {
         vm: &str,
         cap_pct: Option<u32>,
     ) -> Result<(), CgroupError> {
-        let dir = self.root.join(check_name(class)?).join(check_name(vm)?);
+        let dir = self.class_dir(class)?.join(check_name(vm)?);
         self.set_cap(&dir, cap_pct)
     }
 
     /// Removes a VM's group (its threads must have exited or moved).
     pub fn remove_vm(&self, class: &str, vm: &str) -> Result<(), CgroupError> {
-        let dir = self.root.join(check_name(class)?).join(check_name(vm)?);
+        let dir = self.class_dir(class)?.join(check_name(vm)?);
         remove_dir_if_exists(&dir)
     }
 
     /// Removes a class group (its VM groups must be gone).
     pub fn remove_class(&self, class: &str) -> Result<(), CgroupError> {
-        let dir = self.root.join(check_name(class)?);
+        let dir = self.class_dir(class)?;
         remove_dir_if_exists(&dir)
     }
 
     /// Total CPU time consumed by a class group, in ns, if the controller reports it.
     pub fn class_usage_ns(&self, class: &str) -> Option<u64> {
-        let dir = self.root.join(check_name(class).ok()?);
+        let dir = self.class_dir(class).ok()?;
         match self.version {
             CgroupVersion::V2 => {
                 let s = fs::read_to_string(dir.join("cpu.stat")).ok()?;
@@ -228,18 +243,18 @@ impl CgroupBackend {
 impl Drop for CgroupBackend {
     fn drop(&mut self) {
         // Best effort: groups still holding threads stay until those exit.
-        if let Ok(classes) = fs::read_dir(&self.root) {
-            for c in classes.flatten().filter(|e| e.path().is_dir()) {
-                if let Ok(vms) = fs::read_dir(c.path()) {
-                    for v in vms.flatten().filter(|e| e.path().is_dir()) {
-                        let _ = fs::remove_dir(v.path());
-                    }
-                }
-                let _ = fs::remove_dir(c.path());
-            }
-        }
-        let _ = fs::remove_dir(&self.root);
+        remove_groups(&self.root);
     }
+}
+
+/// Removes a group and the groups below it, deepest first (best effort).
+fn remove_groups(dir: &Path) {
+    if let Ok(entries) = fs::read_dir(dir) {
+        for e in entries.flatten().filter(|e| e.path().is_dir()) {
+            remove_groups(&e.path());
+        }
+    }
+    let _ = fs::remove_dir(dir);
 }
 
 fn remove_dir_if_exists(dir: &Path) -> Result<(), CgroupError> {
@@ -337,6 +352,15 @@ mod tests {
             assert_eq!(quota("gold/vm1"), want.0);
             b.set_vm_cap("gold", "vm1", None).unwrap();
             assert_eq!(quota("gold/vm1"), want.1);
+            // A child class is a group inside its parent's.
+            b.set_class("gold/gold-web", 200, Some(50)).unwrap();
+            b.place_vm("gold/gold-web", "vm2", 100, &[child]).unwrap();
+            let listed = fs::read_to_string(b.root().join("gold/gold-web/vm2").join(file)).unwrap();
+            assert!(listed.lines().any(|l| l.trim() == child.to_string()));
+            assert!(b.set_class("gold/../x", 1, None).is_err());
+            b.place_vm("gold", "vm1", 100, &[child]).unwrap();
+            b.remove_vm("gold/gold-web", "vm2").unwrap();
+            b.remove_class("gold/gold-web").unwrap();
             done_tx.send(()).unwrap();
             t.join().unwrap();
             b.remove_vm("gold", "vm1").unwrap();

@@ -465,6 +465,10 @@ pub struct VmInfo {
 pub struct ClassInfo {
     /// Name.
     pub name: String,
+    /// Parent class, for a class in a tree.
+    pub parent: Option<String>,
+    /// Child classes, by name.
+    pub children: Vec<String>,
     /// Configuration.
     pub config: ClassConfig,
     /// VMs in it.
@@ -773,6 +777,8 @@ impl Manager {
     ) -> Option<ClassInfo> {
         let s = self.sched();
         let spec = *s.model().class(name)?;
+        let parent = s.model().class_parent(name).map(str::to_owned);
+        let children = s.model().class_children(name).map(str::to_owned).collect();
         drop(s);
         let vms: Vec<Arc<Entry>> = st
             .vms
@@ -786,6 +792,8 @@ impl Manager {
             .sum();
         Some(ClassInfo {
             name: name.to_string(),
+            parent,
+            children,
             config: ClassConfig {
                 cpu: spec,
                 io: st.class_io.get(name).copied().unwrap_or_default(),
@@ -834,10 +842,21 @@ impl Manager {
 
     /// Creates a class; 409 if it exists, 422 if admission control refuses.
     pub fn create_class(&self, name: &str, cfg: ClassConfig) -> Result<ClassInfo, ManagerError> {
+        self.create_class_in(name, cfg, None)
+    }
+
+    /// Creates a class under `parent` (a root class with `None`); 404 for
+    /// an unknown parent, 400 past the depth limit (8).
+    pub fn create_class_in(
+        &self,
+        name: &str,
+        cfg: ClassConfig,
+        parent: Option<&str>,
+    ) -> Result<ClassInfo, ManagerError> {
         cfg.io.validate()?;
         let mut st = lock(&self.state);
         self.check_class_count(&st, name)?;
-        self.sched().create_class(name, cfg.cpu)?;
+        self.sched().create_class_in(name, cfg.cpu, parent)?;
         self.cgroup_class(name, &cfg);
         st.class_io.insert(name.to_string(), cfg.io);
         set_class_group(&mut st, name, &cfg.io)?;
@@ -851,10 +870,22 @@ impl Manager {
         name: &str,
         cfg: ClassConfig,
     ) -> Result<(bool, ClassInfo), ManagerError> {
+        self.set_class_in(name, cfg, None)
+    }
+
+    /// Creates (under `parent`) or replaces a class; an existing class keeps
+    /// its parent (naming another one is a 409). Returns whether it was
+    /// created.
+    pub fn set_class_in(
+        &self,
+        name: &str,
+        cfg: ClassConfig,
+        parent: Option<&str>,
+    ) -> Result<(bool, ClassInfo), ManagerError> {
         cfg.io.validate()?;
         let mut st = lock(&self.state);
         self.check_class_count(&st, name)?;
-        let created = self.sched().set_class(name, cfg.cpu)?;
+        let created = self.sched().set_class_in(name, cfg.cpu, parent)?;
         self.cgroup_class(name, &cfg);
         st.class_io.insert(name.to_string(), cfg.io);
         set_class_group(&mut st, name, &cfg.io)?;
@@ -902,9 +933,10 @@ impl Manager {
         let mut st = lock(&self.state);
         // VMs being started are already in the scheduler's model, so a class
         // they are joining counts as in use.
+        let path = self.cg_path(name);
         self.sched().delete_class(name)?;
         if let Some(cg) = &self.cgroup
-            && let Err(e) = cg.remove_class(name)
+            && let Err(e) = cg.remove_class(&path)
         {
             tracing::warn!(class = name, "cgroup backend: {e}");
         }
@@ -928,9 +960,21 @@ impl Manager {
     /// Mirrors a class into the cgroup backend (when it is the one in use).
     fn cgroup_class(&self, name: &str, cfg: &ClassConfig) {
         if let Some(cg) = &self.cgroup
-            && let Err(e) = cg.set_class(name, cfg.cpu.shares, cfg.cpu.cap)
+            && let Err(e) = cg.set_class(&self.cg_path(name), cfg.cpu.shares, cfg.cpu.cap)
         {
             tracing::warn!(class = name, "cgroup backend: {e}");
+        }
+    }
+
+    /// A class's group for the cgroup backend: its path from the root
+    /// class, `/`-separated (nested groups). Takes the scheduler's lock.
+    fn cg_path(&self, class: &str) -> String {
+        let s = self.sched();
+        let path = s.model().class_path(class);
+        if path.is_empty() {
+            class.to_string()
+        } else {
+            path.join("/")
         }
     }
 
@@ -1345,8 +1389,13 @@ impl Manager {
             CpuBackend::Cgroup => {
                 if let Some(cg) = &self.cgroup
                     && let Err(e) = cg
-                        .place_vm(&req.class, name, req.weight, &vm_threads(&handle))
-                        .and_then(|()| cg.set_vm_cap(&req.class, name, req.cap))
+                        .place_vm(
+                            &self.cg_path(&req.class),
+                            name,
+                            req.weight,
+                            &vm_threads(&handle),
+                        )
+                        .and_then(|()| cg.set_vm_cap(&self.cg_path(&req.class), name, req.cap))
                 {
                     handle.stop();
                     handle.join();
@@ -1382,7 +1431,7 @@ impl Manager {
         // Unlocked now, even if a console follower still holds the entry.
         self.images.release(Some(&e.name), e.handle.files().iter());
         if let Some(cg) = &self.cgroup {
-            let _ = cg.remove_vm(&lock(&e.class), &e.name);
+            let _ = cg.remove_vm(&self.cg_path(&lock(&e.class)), &e.name);
         }
         tracing::info!(vm = name, "VM deleted");
         Ok(self.vm_info(&e, None))
@@ -1402,7 +1451,7 @@ impl Manager {
             self.sched().set_vm_cap(e.id, cap)?;
             e.cap.store(cap.unwrap_or(0), Ordering::Relaxed);
             if let Some(cg) = &self.cgroup
-                && let Err(err) = cg.set_vm_cap(&lock(&e.class), &e.name, cap)
+                && let Err(err) = cg.set_vm_cap(&self.cg_path(&lock(&e.class)), &e.name, cap)
             {
                 tracing::warn!(vm = name, "cgroup backend: {err}");
             }
@@ -1482,12 +1531,12 @@ impl Manager {
                 let w = e.weight.load(Ordering::Relaxed);
                 let cap = Some(e.cap.load(Ordering::Relaxed)).filter(|&c| c > 0);
                 if let Err(err) = cg
-                    .place_vm(class, &e.name, w, &vm_threads(&e.handle))
-                    .and_then(|()| cg.set_vm_cap(class, &e.name, cap))
+                    .place_vm(&self.cg_path(class), &e.name, w, &vm_threads(&e.handle))
+                    .and_then(|()| cg.set_vm_cap(&self.cg_path(class), &e.name, cap))
                 {
                     tracing::warn!(vm = name, "cgroup backend: {err}");
                 } else {
-                    let _ = cg.remove_vm(&old, &e.name);
+                    let _ = cg.remove_vm(&self.cg_path(&old), &e.name);
                 }
             }
             *lock(&e.class) = class.to_string();
@@ -1607,7 +1656,7 @@ impl Manager {
             self.images.release(Some(&e.name), e.handle.files().iter());
             let _ = self.sched().remove_vm(e.id);
             if let Some(cg) = &self.cgroup {
-                let _ = cg.remove_vm(&lock(&e.class), &e.name);
+                let _ = cg.remove_vm(&self.cg_path(&lock(&e.class)), &e.name);
             }
         }
         self.cpu.shutdown();

@@ -175,10 +175,15 @@ pub enum ClassCmd {
         /// I/O group limits: `bps=N,iops=N,...` (empty = none).
         #[arg(long)]
         io: Option<String>,
+        /// Parent class, for a new class (a class cannot move in the tree).
+        #[arg(long)]
+        parent: Option<String>,
     },
     /// List classes.
     #[command(alias = "ls")]
     List,
+    /// Show the class tree: each class under its parent, with its VMs.
+    Tree,
     /// Show one class.
     Show {
         /// Class name.
@@ -440,6 +445,7 @@ pub async fn class(c: &Client, cmd: ClassCmd, json: bool) -> R {
             cap,
             reservation,
             io,
+            parent,
         } => {
             let patch = dto::ClassPatch {
                 shares,
@@ -455,6 +461,7 @@ pub async fn class(c: &Client, cmd: ClassCmd, json: bool) -> R {
                 Err(ClientError::Api { status, .. }) if status == hyper::StatusCode::NOT_FOUND => {
                     let body = dto::ClassCreate {
                         name: name.clone(),
+                        parent: parent.clone(),
                         shares: shares.unwrap_or(corral_scheduler::model::DEFAULT_SHARES),
                         cap: patch.cap.flatten(),
                         reservation: patch.reservation.flatten(),
@@ -464,6 +471,12 @@ pub async fn class(c: &Client, cmd: ClassCmd, json: bool) -> R {
                 }
                 r => r?,
             };
+            if parent.is_some() && cls.parent != parent {
+                return Err(CliError(format!(
+                    "class {name} already exists under {}; a class cannot move in the tree",
+                    cls.parent.as_deref().unwrap_or("the root")
+                )));
+            }
             if json {
                 print_json(&cls);
             } else {
@@ -486,6 +499,14 @@ pub async fn class(c: &Client, cmd: ClassCmd, json: bool) -> R {
                     ],
                     &class_rows(&cs),
                 );
+            }
+        }
+        ClassCmd::Tree => {
+            let cs: Vec<dto::Class> = c.get("/v1/classes").await?;
+            if json {
+                print_json(&cs);
+            } else {
+                print!("{}", class_tree(&cs));
             }
         }
         ClassCmd::Show { name } => {
@@ -593,4 +614,36 @@ pub async fn status(c: &Client, json: bool) -> R {
         );
     }
     Ok(())
+}
+
+/// The class tree as indented text: one line per class (shares, cap,
+/// reservation, entitlement, VMs), children under their parent.
+pub fn class_tree(classes: &[dto::Class]) -> String {
+    fn walk(out: &mut String, all: &[dto::Class], c: &dto::Class, depth: usize) {
+        let pct = |v: Option<u32>| v.map_or("-".to_string(), |v| format!("{v}%"));
+        out.push_str(&format!(
+            "{:indent$}{} shares {} cap {} resv {} ent {} vms [{}]\n",
+            "",
+            c.name,
+            c.shares,
+            pct(c.cap),
+            pct(c.reservation),
+            c.entitlement_pct
+                .map_or("-".to_string(), |e| format!("{e:.1}%")),
+            c.vms.join(", "),
+            indent = depth * 2
+        ));
+        for child in all.iter().filter(|x| x.parent.as_deref() == Some(&c.name)) {
+            walk(out, all, child, depth + 1);
+        }
+    }
+    let mut out = String::new();
+    let known = |p: &str| classes.iter().any(|c| c.name == p);
+    for root in classes
+        .iter()
+        .filter(|c| c.parent.as_deref().is_none_or(|p| !known(p)))
+    {
+        walk(&mut out, classes, root, 0);
+    }
+    out
 }
