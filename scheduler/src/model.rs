@@ -455,6 +455,10 @@ struct ClassEntry {
     spec: ClassSpec,
     vms: usize,
     parent: Option<String>,
+    /// Number of child classes.
+    children: usize,
+    /// Sum of the children's effective reservations.
+    child_res: u64,
 }
 
 #[path = "model_tree.rs"]
@@ -531,41 +535,36 @@ impl Model {
     }
 
     /// Admission check for giving `name` the spec `spec` under `parent`
-    /// (replacing its current settings if it exists). Returns the new
-    /// reserved total. See [`tree`] for how reservations add up in a tree.
+    /// (replacing its current settings if it exists). O(depth); see
+    /// [`tree`] for how reservations add up in a tree.
     fn admit_class(
         &self,
         name: &str,
         spec: &ClassSpec,
         parent: Option<&str>,
-    ) -> Result<u64, ModelError> {
+    ) -> Result<tree::Change, ModelError> {
         spec.validate()?;
-        let mut next = self.classes.clone();
-        let vms = next.get(name).map_or(0, |c| c.vms);
-        next.insert(
-            name.to_owned(),
-            ClassEntry {
-                spec: *spec,
-                vms,
-                parent: parent.map(str::to_owned),
-            },
-        );
-        let total = tree::reserved_total(&next)?;
-        if total > self.capacity.percent() {
+        let change = tree::admit(
+            &self.classes,
+            self.reserved,
+            name,
+            spec.reserved_percent(),
+            spec.cap,
+            parent,
+        )?;
+        if change.total > self.capacity.percent() {
             // What this class could still reserve: capacity less the total
             // without its own reservation.
-            if let Some(c) = next.get_mut(name) {
-                c.spec.reservation = None;
-            }
-            let others = tree::reserved_total(&next).unwrap_or(total);
+            let others = tree::admit(&self.classes, self.reserved, name, 0, None, parent)
+                .map_or(change.total, |c| c.total);
             return Err(ModelError::ReservationExceedsCapacity {
                 class: name.to_owned(),
-                total,
+                total: change.total,
                 capacity: self.capacity.percent(),
                 available: self.capacity.percent().saturating_sub(others),
             });
         }
-        Ok(total)
+        Ok(change)
     }
 
     /// Creates a root class. Fails if the name is invalid or taken, the spec
@@ -598,15 +597,22 @@ impl Model {
                 });
             }
         }
-        self.reserved = self.admit_class(name, &spec, parent)?;
+        let change = self.admit_class(name, &spec, parent)?;
+        tree::apply(&mut self.classes, &change);
+        self.reserved = change.total;
         self.classes.insert(
             name.to_owned(),
             ClassEntry {
                 spec,
                 vms: 0,
                 parent: parent.map(str::to_owned),
+                children: 0,
+                child_res: 0,
             },
         );
+        if let Some(p) = parent.and_then(|p| self.classes.get_mut(p)) {
+            p.children += 1;
+        }
         self.bump();
         Ok(())
     }
@@ -620,8 +626,9 @@ impl Model {
             .ok_or_else(|| ModelError::UnknownClass(name.to_owned()))?
             .parent
             .clone();
-        let total = self.admit_class(name, &spec, parent.as_deref())?;
-        self.reserved = total;
+        let change = self.admit_class(name, &spec, parent.as_deref())?;
+        tree::apply(&mut self.classes, &change);
+        self.reserved = change.total;
         if let Some(c) = self.classes.get_mut(name) {
             c.spec = spec;
         }
@@ -669,16 +676,30 @@ impl Model {
                 vms: entry.vms,
             });
         }
-        let children = self.class_children(name).count();
-        if children > 0 {
+        if entry.children > 0 {
             return Err(ModelError::ClassHasChildren {
                 name: name.to_owned(),
-                children,
+                children: entry.children,
             });
         }
         let spec = entry.spec;
+        let parent = entry.parent.clone();
+        // A leaf's reservation goes to 0: that can only lower totals.
+        if let Ok(change) = tree::admit(
+            &self.classes,
+            self.reserved,
+            name,
+            0,
+            None,
+            parent.as_deref(),
+        ) {
+            tree::apply(&mut self.classes, &change);
+            self.reserved = change.total;
+        }
         self.classes.remove(name);
-        self.reserved = tree::reserved_total(&self.classes).unwrap_or(self.reserved);
+        if let Some(p) = parent.as_deref().and_then(|p| self.classes.get_mut(p)) {
+            p.children -= 1;
+        }
         self.bump();
         Ok(spec)
     }

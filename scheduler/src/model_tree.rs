@@ -12,36 +12,82 @@ use std::collections::BTreeMap;
 
 use super::{ClassEntry, ModelError};
 
-/// Effective reservation of `name` (percent), `None` if unknown.
+/// Effective reservation of `name` (percent), `None` if unknown. O(1): each
+/// class keeps its children's effective total.
 pub(super) fn effective(classes: &BTreeMap<String, ClassEntry>, name: &str) -> Option<u64> {
-    let c = classes.get(name)?;
-    let children: u64 = classes
-        .iter()
-        .filter(|(_, e)| e.parent.as_deref() == Some(name))
-        .filter_map(|(n, _)| effective(classes, n))
-        .sum();
-    Some(c.spec.reserved_percent().max(children))
+    classes.get(name).map(eff)
 }
 
-/// The host-wide reserved total of a tree, or the error of the first
-/// capped class whose children reserve more than its cap.
-pub(super) fn reserved_total(classes: &BTreeMap<String, ClassEntry>) -> Result<u64, ModelError> {
-    let mut total = 0;
-    for (name, c) in classes {
-        let eff = effective(classes, name).unwrap_or(0);
-        if let Some(cap) = c.spec.cap
-            && eff > u64::from(cap)
+fn eff(c: &ClassEntry) -> u64 {
+    c.spec.reserved_percent().max(c.child_res)
+}
+
+/// What a change of one class's reservation does to the tree.
+pub(super) struct Change {
+    /// The host-wide reserved total after it.
+    pub total: u64,
+    /// New children's totals of its ancestors, nearest first.
+    pub ancestors: Vec<(String, u64)>,
+}
+
+/// Checks giving `name` (under `parent`) its own reservation `own` and cap
+/// `cap`, with `child_res` reserved by its children; walks up to the root
+/// (at most the depth limit): every capped ancestor must still hold its
+/// children's reservations, and the roots' total is `reserved` adjusted.
+pub(super) fn admit(
+    classes: &BTreeMap<String, ClassEntry>,
+    reserved: u64,
+    name: &str,
+    own: u64,
+    cap: Option<u32>,
+    parent: Option<&str>,
+) -> Result<Change, ModelError> {
+    let existing = classes.get(name);
+    let child_res = existing.map_or(0, |c| c.child_res);
+    let mut old = existing.map_or(0, eff);
+    let mut new = own.max(child_res);
+    if let Some(cap) = cap
+        && new > u64::from(cap)
+    {
+        return Err(above_cap(new, cap));
+    }
+    let mut ancestors = Vec::new();
+    let mut cur = parent;
+    while let Some(p) = cur {
+        let Some(a) = classes.get(p) else {
+            return Err(ModelError::UnknownParent(p.to_owned()));
+        };
+        let a_child = (a.child_res + new).saturating_sub(old);
+        let (a_old, a_new) = (eff(a), a.spec.reserved_percent().max(a_child));
+        if let Some(cap) = a.spec.cap
+            && a_new > u64::from(cap)
         {
-            return Err(ModelError::ReservationAboveCap {
-                reservation: u32::try_from(eff).unwrap_or(u32::MAX),
-                cap,
-            });
+            return Err(above_cap(a_new, cap));
         }
-        if c.parent.is_none() {
-            total += eff;
+        ancestors.push((p.to_owned(), a_child));
+        (old, new) = (a_old, a_new);
+        cur = a.parent.as_deref();
+    }
+    Ok(Change {
+        total: (reserved + new).saturating_sub(old),
+        ancestors,
+    })
+}
+
+fn above_cap(reservation: u64, cap: u32) -> ModelError {
+    ModelError::ReservationAboveCap {
+        reservation: u32::try_from(reservation).unwrap_or(u32::MAX),
+        cap,
+    }
+}
+
+/// Applies the ancestors' new children's totals of a [`Change`].
+pub(super) fn apply(classes: &mut BTreeMap<String, ClassEntry>, change: &Change) {
+    for (name, child_res) in &change.ancestors {
+        if let Some(a) = classes.get_mut(name) {
+            a.child_res = *child_res;
         }
     }
-    Ok(total)
 }
 
 #[cfg(test)]

@@ -227,4 +227,54 @@ proptest! {
             prop_assert_eq!(st.shortfall_ratio > 0.0, short);
         }
     }
+
+    /// Admission control down a class tree: whatever classes are created,
+    /// updated and deleted (under random parents), the reserved total is
+    /// the roots' effective reservations recomputed from scratch, it never
+    /// exceeds capacity, no capped class holds more than its cap for its
+    /// children, and refused changes leave the model untouched.
+    #[test]
+    fn tree_admission_matches_a_recomputation(
+        cpus in 1u32..=4,
+        ops in prop::collection::vec(
+            (0u8..3, 0usize..8, 0usize..9, 0u32..=300, prop::option::of(1u32..=400)),
+            1..40,
+        ),
+    ) {
+        fn eff(m: &Model, name: &str) -> u64 {
+            let own = m.class(name).map_or(0, |c| c.reserved_percent());
+            let kids: u64 = m.class_children(name).map(|c| eff(m, c)).sum();
+            own.max(kids)
+        }
+        let mut m = Model::new(Capacity::from_cpus(cpus));
+        for (op, class, parent, res, cap) in ops {
+            let name = format!("c{class}");
+            let parent = (parent < 8).then(|| format!("c{parent}"));
+            let mut spec = ClassSpec::new(100).with_reservation(res);
+            spec.cap = cap;
+            let before = m.clone();
+            let r = match op {
+                0 => m.create_class_in(&name, spec, parent.as_deref()),
+                1 => m.update_class(&name, spec),
+                _ => m.delete_class(&name).map(|_| ()),
+            };
+            if r.is_err() {
+                prop_assert_eq!(before.generation(), m.generation());
+                prop_assert_eq!(before.reserved_percent(), m.reserved_percent());
+            }
+            let roots: u64 = m
+                .classes()
+                .filter(|(n, _)| m.class_parent(n).is_none())
+                .map(|(n, _)| eff(&m, n))
+                .sum();
+            prop_assert_eq!(roots, m.reserved_percent());
+            prop_assert!(m.reserved_percent() <= m.capacity().percent());
+            for (n, c) in m.classes() {
+                prop_assert_eq!(m.class_reserved_percent(n), Some(eff(&m, n)));
+                if let Some(cap) = c.cap {
+                    prop_assert!(eff(&m, n) <= u64::from(cap), "{n}: {} > cap {cap}", eff(&m, n));
+                }
+            }
+        }
+    }
 }
