@@ -764,6 +764,14 @@ impl Model {
         self.classes.iter().map(|(n, c)| (n.as_str(), &c.spec))
     }
 
+    /// All classes with their parents, ordered by name (no lookups: cheap
+    /// for the policy's resynchronisation).
+    pub fn classes_with_parents(&self) -> impl Iterator<Item = (&str, &ClassSpec, Option<&str>)> {
+        self.classes
+            .iter()
+            .map(|(n, c)| (n.as_str(), &c.spec, c.parent.as_deref()))
+    }
+
     /// Number of classes.
     pub fn class_count(&self) -> usize {
         self.classes.len()

@@ -672,14 +672,12 @@ impl Policy {
                 used_pct,
             });
         }
-        for (ci, name) in names.iter().enumerate() {
-            let parent = model
-                .class_parent(name)
-                .and_then(|p| names.binary_search(&p).ok());
-            self.classes[ci].parent = parent;
-            if let Some(p) = parent {
-                self.classes[p].children.push(ci);
-            }
+        for (ci, (_, _, parent)) in model.classes_with_parents().enumerate() {
+            let Some(parent) = parent.and_then(|p| names.binary_search(&p).ok()) else {
+                continue;
+            };
+            self.classes[ci].parent = Some(parent);
+            self.classes[parent].children.push(ci);
         }
 
         let mut order: Vec<(usize, VmId, &VmSpec)> = model

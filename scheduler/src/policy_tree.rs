@@ -16,6 +16,15 @@ impl Policy {
     /// Depth order, subtree vCPUs and effective reservations, after a sync.
     pub(super) fn sync_tree(&mut self) {
         let n = self.classes.len();
+        if self.classes.iter().all(|c| c.parent.is_none()) {
+            // Flat: every class is a root, in any order; no sums to make.
+            self.tree_order.clear();
+            self.tree_order.extend(0..n);
+            for c in &mut self.classes {
+                c.eff_res = c.spec.reserved_percent() as f64;
+            }
+            return;
+        }
         let mut depth = vec![0usize; n];
         for (ci, d) in depth.iter_mut().enumerate() {
             let mut p = self.classes[ci].parent;
