@@ -277,4 +277,70 @@ proptest! {
             }
         }
     }
+
+    /// Entitlements in a random class tree: every class gets what its
+    /// children and own VMs get together (when it can use it), never more
+    /// than its cap or its subtree's demand, at least its reservation up to
+    /// that demand; the roots hand out min(capacity, demand).
+    #[test]
+    fn tree_entitlement_invariants(
+        cpus in 1u32..=4,
+        classes in prop::collection::vec(
+            (0usize..8, 1u32..=1000, prop::option::of(1u32..=300), 0u32..=100),
+            1..8,
+        ),
+        vms in prop::collection::vec((0usize..8, 1u32..=1000, 1u32..=2, 0u32..=2), 0..12),
+    ) {
+        let mut m = Model::new(Capacity::from_cpus(cpus));
+        for (i, &(parent, shares, cap, res)) in classes.iter().enumerate() {
+            // Parents are earlier classes, so the tree has no cycle.
+            let parent = (parent < i).then(|| format!("c{parent}"));
+            let mut spec = ClassSpec::new(shares).with_reservation(res);
+            spec.cap = cap;
+            let name = format!("c{i}");
+            if m.create_class_in(&name, spec, parent.as_deref()).is_err() {
+                spec.reservation = None;
+                spec.cap = None;
+                m.create_class_in(&name, spec, parent.as_deref()).unwrap();
+            }
+        }
+        let mut runnable = Vec::new();
+        for (i, &(class, weight, vcpus, run)) in vms.iter().enumerate() {
+            let class = format!("c{}", class % classes.len());
+            m.add_vm(VmId(i as u64), VmSpec::new(class, vcpus).with_weight(weight))
+                .unwrap();
+            runnable.push(run.min(vcpus));
+        }
+        let e = entitlements(&m, |id, _| runnable[id.0 as usize]);
+        fn demand(m: &Model, name: &str, runnable: &[u32]) -> f64 {
+            let own: f64 = m
+                .vms()
+                .filter(|(_, v)| v.class == name)
+                .map(|(id, _)| f64::from(runnable[id.0 as usize]) * 100.0)
+                .sum();
+            let kids: f64 = m.class_children(name).map(|c| demand(m, c, runnable)).sum();
+            let d = own + kids;
+            m.class(name).unwrap().cap.map_or(d, |c| d.min(f64::from(c)))
+        }
+        let mut roots = (0.0, 0.0);
+        for (name, spec) in m.classes() {
+            let got = e.classes[name];
+            let hi = demand(&m, name, &runnable);
+            prop_assert!(got <= hi + 1e-4, "{name}: {got} > {hi}");
+            if let Some(c) = spec.cap {
+                prop_assert!(got <= f64::from(c) + 1e-4);
+            }
+            let below: f64 = m.class_children(name).map(|c| e.classes[c]).sum::<f64>()
+                + m.vms().filter(|(_, v)| v.class == name).map(|(id, _)| e.vms[&id]).sum::<f64>();
+            prop_assert!((below - got).abs() < 1e-3, "{name}: {below} below, {got} given");
+            if m.class_parent(name).is_none() {
+                roots.0 += got;
+                roots.1 += hi;
+                let lo = (m.class_reserved_percent(name).unwrap() as f64).min(hi);
+                prop_assert!(got >= lo - 1e-4, "{name}: {got} < reserved {lo}");
+            }
+        }
+        let cap_total = m.capacity().percent() as f64;
+        prop_assert!((roots.0 - roots.1.min(cap_total)).abs() < 1e-3, "{roots:?}");
+    }
 }

@@ -115,3 +115,35 @@ fn caps_and_reservations_at_inner_levels() {
     assert!(res >= 97.0, "reservation under a parent: {res:.1}");
     assert!(o >= 35.0, "the rest goes to the other class: {o:.1}");
 }
+
+/// A VM moves live between classes at different levels of the tree; its
+/// new place's shares apply from then on.
+#[test]
+fn a_vm_moves_between_levels_of_the_tree() {
+    let mut s = sim();
+    two_tenants(&mut s);
+    let r = window(&mut s);
+    print_and_check(&r, "before the move");
+    // Move one of tenant-b's VMs into a-bronze: the tenants still split
+    // 1:1 and gold:bronze 3:1; bronze's two VMs share its 12.5 %.
+    let moved = r
+        .vms
+        .iter()
+        .filter(|v| v.class == "tenant-b")
+        .map(|v| v.id)
+        .next()
+        .unwrap();
+    s.scheduler_mut().move_vm(moved, "a-bronze").unwrap();
+    let r = window(&mut s);
+    let (g, b, t) = (
+        r.class_share("a-gold"),
+        r.class_share("a-bronze"),
+        r.class_share("tenant-b"),
+    );
+    eprintln!(
+        "after moving a VM from tenant-b into a-bronze: gold {g:.2} % bronze {b:.2} % \
+         (two VMs), tenant-b {t:.2} % (one VM); targets 37.5, 12.5, 50"
+    );
+    assert!((g - 37.5).abs() <= 2.0 && (b - 12.5).abs() <= 2.0 && (t - 50.0).abs() <= 2.0);
+    assert_eq!(r.vm(moved).class, "a-bronze");
+}
