@@ -487,7 +487,8 @@ pub(crate) struct Shared {
     faults: VmFaults,
     /// Thread names, for exit reasons: the device thread's.
     device_thread: String,
-    /// The VM's name.
+    /// The VM's name (for the test-only fault injection).
+    #[cfg(debug_assertions)]
     pub(crate) name: String,
 }
 
@@ -1109,6 +1110,7 @@ pub fn start(cfg: &VmConfig) -> Result<VmHandle, VmError> {
         control: Mutex::new(control_tx),
         faults: VmFaults::new(wake_fd),
         device_thread: format!("dev-{}", cfg.name),
+        #[cfg(debug_assertions)]
         name: cfg.name.clone(),
     });
     *lock(&shared_slot) = Some(Arc::downgrade(&shared));
