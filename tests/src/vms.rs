@@ -129,6 +129,27 @@ impl Bench {
         self.classes.push((name.to_string(), c));
     }
 
+    /// Defines a class under `parent` (a nested cgroup under the cgroup
+    /// backend).
+    pub fn class_in(&mut self, name: &str, parent: &str, c: Class) {
+        let mut spec = ClassSpec::new(c.shares);
+        spec.cap = c.cap;
+        spec.reservation = c.reservation;
+        self.cpu
+            .with(|s| s.create_class_in(name, spec, Some(parent)))
+            .expect("create child class");
+        if let Some(cg) = &self.cg {
+            cg.set_class(&self.cg_path(name), c.shares, c.cap)
+                .expect("cgroup class");
+        }
+        self.classes.push((name.to_string(), c));
+    }
+
+    /// A class's cgroup path from the root class.
+    fn cg_path(&self, class: &str) -> String {
+        self.cpu.with(|s| s.model().class_path(class).join("/"))
+    }
+
     /// Starts a probe VM in `class` with `cmdline`.
     pub fn launch(&mut self, class: &str, vcpus: u8, memory_mib: u64, cmdline: &str) -> usize {
         let id = VmId(self.next_id);
@@ -154,8 +175,13 @@ impl Bench {
             ),
             Backend::Cgroup => {
                 if let Some(cg) = &self.cg {
-                    cg.place_vm(class, &format!("vm{}", id.0), 100, handle.vcpu_tids())
-                        .expect("place vCPU threads");
+                    cg.place_vm(
+                        &self.cg_path(class),
+                        &format!("vm{}", id.0),
+                        100,
+                        handle.vcpu_tids(),
+                    )
+                    .expect("place vCPU threads");
                 }
             }
             Backend::None => {}
@@ -176,7 +202,7 @@ impl Bench {
             .with(|s| s.set_vm_cap(vm.id, cap))
             .expect("set the VM's cap");
         if let Some(cg) = &self.cg {
-            cg.set_vm_cap(&vm.class, &format!("vm{}", vm.id.0), cap)
+            cg.set_vm_cap(&self.cg_path(&vm.class), &format!("vm{}", vm.id.0), cap)
                 .expect("cgroup VM cap");
         }
     }

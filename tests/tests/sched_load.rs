@@ -362,25 +362,16 @@ fn gate_cap_holds_when_a_vm_is_attached_after_its_park() {
 }
 
 /// Two tenants 1:1, tenant-a's children 3:1, tenant-b's two VMs directly in
-/// it; all four 2-vCPU VMs spin (gate backend). Targets: 50/50 between the
-/// tenants and 37.5/12.5 inside tenant-a, of the CPU the VMs got.
-#[test]
-fn gate_two_level_class_tree() {
+/// it; all four 2-vCPU VMs spin. Targets: 50/50 between the tenants and
+/// 37.5/12.5 inside tenant-a, of the CPU the VMs got; returns the shares
+/// (a-gold, a-bronze, tenant-b).
+fn two_level_tree(backend: Backend) -> (f64, f64, f64) {
     let _g = HOST.lock().unwrap_or_else(|p| p.into_inner());
-    let mut b = Bench::new(Backend::Gate);
+    let mut b = Bench::new(backend);
     b.class("tenant-a", class(100, None, None));
     b.class("tenant-b", class(100, None, None));
-    for (name, shares) in [("a-gold", 300), ("a-bronze", 100)] {
-        b.cpu()
-            .with(|s| {
-                s.create_class_in(
-                    name,
-                    corral_scheduler::ClassSpec::new(shares),
-                    Some("tenant-a"),
-                )
-            })
-            .expect("child class");
-    }
+    b.class_in("a-gold", "tenant-a", class(300, None, None));
+    b.class_in("a-bronze", "tenant-a", class(100, None, None));
     let secs = (WARMUP + WINDOW).as_secs() + 10;
     for c in ["a-gold", "a-bronze", "tenant-b", "tenant-b"] {
         b.launch(c, 2, 32, &spin(secs));
@@ -390,15 +381,36 @@ fn gate_two_level_class_tree() {
     let share = |x: f64| x * 100.0 / total;
     let (g, br, t) = (share(u[0]), share(u[1]), share(u[2] + u[3]));
     eprintln!(
-        "gate backend, two-level class tree on a {:.0} % host, {WINDOW:?}:\n  tenant-a {:.2} % \
-         (a-gold {g:.2} %, a-bronze {br:.2} %), tenant-b {t:.2} % of the VMs' {total:.1} %\n  \
+        "{backend:?} backend, two-level class tree on a {:.0} % host, {WINDOW:?}:\n  tenant-a \
+         {:.2} % (a-gold {g:.2} %, a-bronze {br:.2} %), tenant-b {t:.2} % of the VMs' {total:.1} %\n  \
          expected 50 (37.5, 12.5) and 50, bound ± 2 points each",
         host_cpus(),
         g + br
     );
-    print_scheduler(&b);
+    if backend == Backend::Gate {
+        print_scheduler(&b);
+    }
+    (g, br, t)
+}
+
+fn check_tree((g, br, t): (f64, f64, f64)) {
     assert!((g + br - 50.0).abs() <= 2.0, "tenant-a {:.2}", g + br);
     assert!((t - 50.0).abs() <= 2.0, "tenant-b {t:.2}");
     assert!((g - 37.5).abs() <= 2.0, "a-gold {g:.2}");
     assert!((br - 12.5).abs() <= 2.0, "a-bronze {br:.2}");
+}
+
+#[test]
+fn gate_two_level_class_tree() {
+    check_tree(two_level_tree(Backend::Gate));
+}
+
+/// The same tree as nested cgroups, for comparison.
+#[test]
+fn cgroup_two_level_class_tree_for_comparison() {
+    if corral_vmm::cgroup::detect().is_none() {
+        eprintln!("SKIPPED: no cgroup cpu controller on this host");
+        return;
+    }
+    check_tree(two_level_tree(Backend::Cgroup));
 }
