@@ -134,6 +134,13 @@ fn seccomp_violation_fails_only_that_vm() {
         "{v}"
     );
 
+    // The failed VMs' threads are stopped and joined.
+    let gone = wait_until(T, || {
+        let t = filters_per_thread(d.child.id());
+        let vcpus = t.iter().filter(|(n, _)| n.starts_with("vcpu")).count();
+        (vcpus == 1 && !t.iter().any(|(n, _)| n.starts_with("dev-bad"))).then_some(())
+    });
+    assert!(gone.is_some(), "{:?}", filters_per_thread(d.child.id()));
     // The other VM runs on and keeps making progress.
     let before = progress(&d, "good");
     std::thread::sleep(Duration::from_millis(1200));
@@ -237,6 +244,15 @@ fn panics_fail_only_their_vm_and_free_the_budget() {
     );
     assert_eq!(v["disks"][0]["id"], "data", "{v}");
 
+    // Their threads are joined (the reaper runs twice a second): only the
+    // good VM's vCPU and device thread are left.
+    let threads = wait_until(T, || {
+        let t = filters_per_thread(d.child.id());
+        let vcpus = t.iter().filter(|(n, _)| n.starts_with("vcpu")).count();
+        let devs: Vec<_> = t.iter().filter(|(n, _)| n.starts_with("dev-")).collect();
+        (vcpus == 1 && devs.len() == 1 && devs[0].0 == "dev-good").then_some(())
+    });
+    assert!(threads.is_some(), "{:?}", filters_per_thread(d.child.id()));
     // Their memory is given back: the host figure drops to the good VM's,
     // and a new VM fits in the budget again.
     let host = wait_until(T, || {
