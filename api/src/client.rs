@@ -13,6 +13,8 @@ use crate::dto;
 
 /// Where the daemon listens by default.
 pub const DEFAULT_SOCKET: &str = "/run/corral/corral.sock";
+/// Where the daemon writes its TCP token by default (beside the socket).
+pub const DEFAULT_TOKEN_FILE: &str = "/run/corral/token";
 
 /// Where to reach the daemon.
 #[derive(Debug, Clone)]
@@ -67,6 +69,8 @@ pub enum ClientError {
 #[derive(Debug, Clone)]
 pub struct Client {
     target: Target,
+    /// The bearer token sent over TCP.
+    token: Option<String>,
 }
 
 /// The body of a streaming response.
@@ -75,11 +79,19 @@ pub type Incoming = hyper::body::Incoming;
 impl Client {
     /// A client of `target`.
     pub fn new(target: Target) -> Self {
-        Self { target }
+        Self {
+            target,
+            token: None,
+        }
     }
 
-    /// From `--socket` / `--url`.
-    pub fn from_args(socket: Option<PathBuf>, url: Option<String>) -> Result<Self, ClientError> {
+    /// From `--socket` / `--url` / `--token-file` (read for `--url` only;
+    /// default [`DEFAULT_TOKEN_FILE`]).
+    pub fn from_args(
+        socket: Option<PathBuf>,
+        url: Option<String>,
+        token_file: Option<PathBuf>,
+    ) -> Result<Self, ClientError> {
         if let Some(u) = url {
             let rest = u.strip_prefix("http://").ok_or_else(|| {
                 ClientError::Usage(format!("--url {u}: only http://HOST:PORT is supported"))
@@ -90,7 +102,18 @@ impl Client {
                     "--url {u}: expected http://HOST:PORT"
                 )));
             }
-            return Ok(Self::new(Target::Tcp(hostport.to_string())));
+            let path = token_file.unwrap_or_else(|| PathBuf::from(DEFAULT_TOKEN_FILE));
+            let token = std::fs::read_to_string(&path).map_err(|e| {
+                ClientError::Usage(format!(
+                    "cannot read the daemon's token from {}: {e} (the TCP API needs it; \
+                     see --token-file / CORRAL_TOKEN_FILE)",
+                    path.display()
+                ))
+            })?;
+            return Ok(Self {
+                target: Target::Tcp(hostport.to_string()),
+                token: Some(token.trim().to_string()),
+            });
         }
         Ok(Self::new(Target::Unix(
             socket.unwrap_or_else(|| PathBuf::from(DEFAULT_SOCKET)),
@@ -122,6 +145,9 @@ impl Client {
             .header(hyper::header::HOST, host);
         if body.is_some() {
             req = req.header(hyper::header::CONTENT_TYPE, "application/json");
+        }
+        if let (Target::Tcp(_), Some(t)) = (&self.target, &self.token) {
+            req = req.header(hyper::header::AUTHORIZATION, format!("Bearer {t}"));
         }
         let req = req
             .body(Full::new(Bytes::from(body.unwrap_or_default())))

@@ -46,13 +46,13 @@ pub fn demo(args: DemoArgs, builtin: Arc<[u8]>) -> Result<(), CliError> {
         .build()
         .map_err(|e| CliError(format!("tokio runtime: {e}")))?;
     let r = rt.block_on(async {
-        let unix = server::bind_unix(&socket).map_err(|e| CliError(e.to_string()))?;
+        let (unix, _bound) =
+            server::bind_unix(&socket, None).map_err(|e| CliError(e.to_string()))?;
         server::spawn_cpu_sampler(mgr.clone());
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
         let srv = tokio::spawn(server::serve_on(
             server::router(mgr.clone()),
             unix,
-            None,
             async move {
                 let _ = stop_rx.await;
             },

@@ -39,6 +39,15 @@ struct Cli {
         help_heading = cli::CLIENT_HEADING
     )]
     url: Option<String>,
+    /// The daemon's token file, sent as the bearer token with --url (client
+    /// commands; default /run/corral/token; also `serve`'s --token-file).
+    #[arg(
+        long,
+        env = "CORRAL_TOKEN_FILE",
+        value_name = "PATH",
+        help_heading = cli::CLIENT_HEADING
+    )]
+    token_file: Option<PathBuf>,
     /// JSON output for scripts (client commands).
     #[arg(long, help_heading = cli::CLIENT_HEADING)]
     json: bool,
@@ -52,6 +61,7 @@ impl Cli {
         cli::ClientOpts {
             socket: self.socket.clone(),
             url: self.url.clone(),
+            token_file: self.token_file.clone(),
             json: self.json,
         }
     }
@@ -181,6 +191,9 @@ fn main() -> ExitCode {
             {
                 args.socket = p;
             }
+            if let Some(p) = cli.token_file {
+                args.api.token_file = Some(p);
+            }
             match server::serve(args, builtin()) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => fail(e.to_string()),
@@ -192,6 +205,14 @@ fn main() -> ExitCode {
         },
         Cmd::Bench { args } => bench_exec::exec(args),
         cmd => {
+            // Die quietly of SIGPIPE, as other command-line tools do, when
+            // the reader of our output goes away (`corral vm list | head -1`):
+            // Rust ignores it, and println! then panics on EPIPE.
+            // SAFETY: signal(2) restoring the default action, before any
+            // thread is started.
+            unsafe {
+                libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+            }
             let opts = match &cmd {
                 Cmd::Vm { opts, .. }
                 | Cmd::Class { opts, .. }

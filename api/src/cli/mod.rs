@@ -36,6 +36,9 @@ pub struct ClientOpts {
     /// The daemon's TCP URL, e.g. http://127.0.0.1:7070 [env: CORRAL_URL].
     #[arg(long, global = true, value_name = "URL", help_heading = CLIENT_HEADING)]
     pub url: Option<String>,
+    /// The daemon's token file for --url [default: /run/corral/token; env: CORRAL_TOKEN_FILE].
+    #[arg(long, global = true, value_name = "PATH", help_heading = CLIENT_HEADING)]
+    pub token_file: Option<PathBuf>,
     /// JSON output for scripts.
     #[arg(long, global = true, help_heading = CLIENT_HEADING)]
     pub json: bool,
@@ -46,10 +49,19 @@ impl ClientOpts {
     /// command, or the environment); `--json` in either place counts.
     pub fn or(self, outer: ClientOpts) -> ClientOpts {
         let json = self.json || outer.json;
+        let token_file = self.token_file.clone().or(outer.token_file.clone());
         if self.socket.is_some() || self.url.is_some() {
-            ClientOpts { json, ..self }
+            ClientOpts {
+                json,
+                token_file,
+                ..self
+            }
         } else {
-            ClientOpts { json, ..outer }
+            ClientOpts {
+                json,
+                token_file,
+                ..outer
+            }
         }
     }
 
@@ -60,7 +72,11 @@ impl ClientOpts {
                 "--socket and --url name two daemons: give one".into(),
             ));
         }
-        Client::from_args(self.socket.clone(), self.url.clone())
+        Client::from_args(
+            self.socket.clone(),
+            self.url.clone(),
+            self.token_file.clone(),
+        )
     }
 }
 

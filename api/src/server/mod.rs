@@ -1,0 +1,353 @@
+//! `corral serve`: the REST API (axum on tokio) over a Unix socket and,
+//! optionally, a loopback TCP port with a bearer token.
+//!
+//! Files: `routes.rs` (the handlers), `json.rs` (extractors), `error.rs`
+//! (error shape, clipping client input), `guard.rs` (auth and browser
+//! checks), `http.rs` (accept loops, connection limits and timeouts),
+//! `followers.rs` (console stream limits), `lifecycle.rs` (state lock,
+//! socket, token file), `args.rs` (the options of these).
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use corral_vmm::manager::{Manager, ManagerError};
+
+mod args;
+mod error;
+mod followers;
+mod guard;
+mod http;
+mod json;
+mod lifecycle;
+mod routes;
+
+pub use args::ApiArgs;
+pub use http::HttpLimits;
+pub use lifecycle::bind_unix;
+pub use routes::router;
+
+/// The spec, served at `/v1/openapi.yaml`.
+pub static OPENAPI_YAML: &str = include_str!("../../openapi.yaml");
+
+/// Largest request body.
+pub const MAX_BODY_BYTES: usize = 64 * 1024;
+
+/// Options of `corral serve`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct ServeArgs {
+    /// Unix socket to listen on (mode 0600; see --socket-group).
+    #[arg(long, default_value = crate::client::DEFAULT_SOCKET)]
+    pub socket: PathBuf,
+    /// Also listen on this TCP address: HOST:PORT, the host a name
+    /// (`localhost:7070`) or an address (`127.0.0.1:7070`, `[::1]:7070`);
+    /// requests there need the bearer token of --token-file.
+    #[arg(long, value_name = "HOST:PORT", value_parser = parse_listen)]
+    pub listen: Option<SocketAddr>,
+    /// Allow a non-loopback --listen address (plain HTTP: the token and
+    /// everything else travel unencrypted).
+    #[arg(long)]
+    pub allow_remote: bool,
+    /// Most VMs at once.
+    #[arg(long, default_value_t = 256)]
+    pub max_vms: usize,
+    /// CPU capacity in percent of one CPU (default: the CPU affinity mask).
+    #[arg(long)]
+    pub capacity: Option<u64>,
+    /// Guest memory budget in MiB (default: host memory less 10 % of it
+    /// or 1 GiB, whichever is larger).
+    #[arg(long)]
+    pub memory_budget: Option<u64>,
+    /// Most classes.
+    #[arg(long, default_value_t = corral_vmm::manager::DEFAULT_MAX_CLASSES)]
+    pub max_classes: usize,
+    /// A directory whose files clients may use as kernels, initrds and
+    /// disks (repeatable; created 0700 if missing). Nothing outside them is
+    /// opened, and no symbolic link is followed beneath them.
+    #[arg(long, value_name = "DIR", default_value = corral_vmm::hostfile::DEFAULT_IMAGE_DIR)]
+    pub image_dir: Vec<PathBuf>,
+    /// Accept block devices (beneath the image directories) as disks.
+    #[arg(long)]
+    pub allow_block_devices: bool,
+    /// How CPU shares are enforced: `gate` (corral's scheduler thread),
+    /// `cgroup` (Linux cgroups), or `none` (host scheduler only).
+    #[arg(long, default_value = "gate")]
+    pub cpu_backend: corral_vmm::manager::CpuBackend,
+    /// No seccomp filters (for debugging). By default every thread runs
+    /// under the filter of its kind (vCPU, device, scheduler, runtime), and
+    /// a VM's thread that breaks its filter fails that VM only.
+    #[arg(long)]
+    pub no_seccomp: bool,
+    /// Access control and HTTP limits.
+    #[command(flatten)]
+    pub api: ApiArgs,
+}
+
+/// `--listen HOST:PORT`: an address as is; a name resolved, its first
+/// IPv4 address preferred (`localhost` is 127.0.0.1 without asking the
+/// resolver, as RFC 6761 has it).
+pub fn parse_listen(s: &str) -> Result<SocketAddr, String> {
+    if let Ok(a) = s.parse::<SocketAddr>() {
+        return Ok(a);
+    }
+    let (host, port) = s
+        .rsplit_once(':')
+        .ok_or_else(|| format!("{s}: expected HOST:PORT, e.g. localhost:7070"))?;
+    let port: u16 = port
+        .parse()
+        .map_err(|_| format!("{s}: {port:?} is not a port number"))?;
+    if host.eq_ignore_ascii_case("localhost") {
+        return Ok(SocketAddr::from(([127, 0, 0, 1], port)));
+    }
+    let addrs: Vec<SocketAddr> = std::net::ToSocketAddrs::to_socket_addrs(&(host, port))
+        .map_err(|e| format!("{s}: cannot resolve {host:?}: {e}"))?
+        .collect();
+    addrs
+        .iter()
+        .find(|a| a.is_ipv4())
+        .or(addrs.first())
+        .copied()
+        .ok_or_else(|| format!("{s}: {host:?} has no address"))
+}
+
+/// Errors of `corral serve`.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    /// Bad option.
+    #[error("{0}")]
+    Config(String),
+    /// Socket setup.
+    #[error("{what}: {err}")]
+    Io {
+        /// What failed.
+        what: String,
+        /// Why.
+        err: std::io::Error,
+    },
+    /// Manager setup.
+    #[error(transparent)]
+    Manager(#[from] ManagerError),
+}
+
+fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> ServeError {
+    let what = what.into();
+    move |err| ServeError::Io { what, err }
+}
+
+/// Serves `router` on the Unix socket only (root and the daemon's uid may
+/// use it), with the default limits, until `shutdown` resolves; then lets
+/// open requests finish for up to 5 s. (`corral demo`'s in-process daemon.)
+pub async fn serve_on(
+    router: Router,
+    unix: tokio::net::UnixListener,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) {
+    let (tx, rx) = tokio::sync::watch::channel(false);
+    let app = guarded(router, guard::Guard::default());
+    let l = http::Listener::Unix(unix, http::UnixPolicy { group: None });
+    let task = tokio::spawn(http::serve_listener(l, app, HttpLimits::default(), rx));
+    shutdown.await;
+    let _ = tx.send(true);
+    if tokio::time::timeout(Duration::from_secs(5), task)
+        .await
+        .is_err()
+    {
+        tracing::warn!("some connections did not close within 5 s; exiting anyway");
+    }
+}
+
+fn guarded(router: Router, g: guard::Guard) -> Router {
+    router.layer(axum::middleware::from_fn_with_state(
+        Arc::new(g),
+        guard::check,
+    ))
+}
+
+/// Samples the VMs' CPU time twice a second, so that the figure of a VM
+/// whose guest stops on its own is kept (to within half a second).
+pub fn spawn_cpu_sampler(mgr: Arc<Manager>) {
+    tokio::spawn(async move {
+        let mut every = tokio::time::interval(Duration::from_millis(500));
+        loop {
+            every.tick().await;
+            let m = mgr.clone();
+            let _ = tokio::task::spawn_blocking(move || m.sample_cpu()).await;
+        }
+    });
+}
+
+/// Waits for SIGINT or SIGTERM.
+pub async fn terminate_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = match signal(SignalKind::terminate()) {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::error!("cannot catch SIGTERM: {e}");
+            std::future::pending::<()>().await;
+            return;
+        }
+    };
+    let mut int = match signal(SignalKind::interrupt()) {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::error!("cannot catch SIGINT: {e}");
+            std::future::pending::<()>().await;
+            return;
+        }
+    };
+    tokio::select! {
+        _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
+        _ = int.recv() => tracing::info!("SIGINT: shutting down"),
+    }
+}
+
+/// The token file's default place: `token` beside the socket.
+pub fn default_token_file(socket: &Path) -> PathBuf {
+    socket
+        .parent()
+        .unwrap_or_else(|| Path::new(""))
+        .join("token")
+}
+
+/// `corral serve`.
+pub fn serve(args: ServeArgs, builtin: Arc<[u8]>) -> Result<(), ServeError> {
+    if let Some(addr) = args.listen
+        && !addr.ip().is_loopback()
+        && !args.allow_remote
+    {
+        return Err(ServeError::Config(format!(
+            "--listen {addr} is not a loopback address; the API is plain HTTP (the bearer token \
+             would cross the network in clear text): pass --allow-remote to listen there anyway"
+        )));
+    }
+    // The lock first: a second daemon on this state directory stops here,
+    // before it touches any socket.
+    let _lock = lifecycle::lock_state_dir(&args.api.state_dir)?;
+    let group = args
+        .api
+        .socket_group
+        .as_deref()
+        .map(lifecycle::resolve_group)
+        .transpose()?;
+    lifecycle::raise_fd_limit();
+    let host_files =
+        corral_vmm::hostfile::HostPolicy::beneath(&args.image_dir, args.allow_block_devices)
+            .map_err(io("--image-dir"))?;
+    let cfg = corral_vmm::manager::ManagerConfig {
+        capacity: args.capacity.map(corral_scheduler::Capacity::from_percent),
+        max_vms: args.max_vms,
+        memory_budget_mib: args.memory_budget,
+        max_classes: args.max_classes,
+        host_files,
+        builtin_kernel: Some(builtin),
+        cpu_backend: args.cpu_backend,
+        ..Default::default()
+    };
+    // The runtime filter on the main thread before any other thread exists:
+    // the scheduler thread, tokio's workers and blocking pool inherit it
+    // (the scheduler and the VMs' threads narrow it with their own).
+    if !args.no_seccomp {
+        use corral_vmm::seccomp;
+        seccomp::enable()
+            .and_then(|()| seccomp::check_all())
+            .and_then(|()| seccomp::install(seccomp::ThreadKind::Runtime))
+            .map_err(|e| ServeError::Config(e.to_string()))?;
+    }
+    let mgr = Arc::new(Manager::new(cfg)?);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .max_blocking_threads(128)
+        .enable_all()
+        .build()
+        .map_err(io("starting the tokio runtime"))?;
+    let r = rt.block_on(run(&args, group, mgr.clone()));
+    rt.shutdown_timeout(Duration::from_secs(1));
+    match r {
+        Ok(true) => Ok(()),
+        Ok(false) => {
+            // The VMs did not stop in time (a stuck thread of the manager):
+            // leave now, without running the manager's destructor, which
+            // would wait for them again.
+            eprintln!(
+                "corral: the VMs did not stop within --shutdown-timeout {} s; exiting anyway",
+                args.api.shutdown_timeout.as_secs_f64()
+            );
+            std::process::exit(1);
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// Serves until SIGTERM/SIGINT; Ok(false) if the VMs did not stop within
+/// the shutdown timeout.
+async fn run(args: &ServeArgs, group: Option<u32>, mgr: Arc<Manager>) -> Result<bool, ServeError> {
+    let (unix, _bound) = bind_unix(&args.socket, group)?;
+    let tcp = match args.listen {
+        Some(a) => Some(
+            tokio::net::TcpListener::bind(a)
+                .await
+                .map_err(io(format!("binding {a}")))?,
+        ),
+        None => None,
+    };
+    let limits = args.api.limits();
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let app = router(mgr.clone());
+    let mut tasks = vec![tokio::spawn(http::serve_listener(
+        http::Listener::Unix(unix, http::UnixPolicy { group }),
+        guarded(app.clone(), guard::Guard::default()),
+        limits,
+        stop_rx.clone(),
+    ))];
+    let mut _token = None;
+    if let Some(l) = tcp {
+        let addr = l.local_addr().map_err(io("the TCP listener's address"))?;
+        let token = lifecycle::new_token()?;
+        let path = args
+            .api
+            .token_file
+            .clone()
+            .unwrap_or_else(|| default_token_file(&args.socket));
+        _token = Some(lifecycle::TokenFile::write(&path, &token)?);
+        let auth = guard::TcpAuth::new(token, addr, &args.api.allow_host);
+        tasks.push(tokio::spawn(http::serve_listener(
+            http::Listener::Tcp(l),
+            guarded(app, guard::Guard { tcp: Some(auth) }),
+            limits,
+            stop_rx,
+        )));
+        // One line on stdout for scripts and tests.
+        println!(
+            "corral: listening on {} and http://{addr} (token in {})",
+            args.socket.display(),
+            path.display()
+        );
+    } else {
+        println!("corral: listening on {}", args.socket.display());
+    }
+    spawn_cpu_sampler(mgr.clone());
+    terminate_signal().await;
+    let _ = stop_tx.send(true);
+    // The VMs are stopped on a thread of their own: the blocking pool may
+    // be full of requests that are stuck.
+    let (done_tx, done_rx) = tokio::sync::oneshot::channel();
+    let m = mgr.clone();
+    std::thread::Builder::new()
+        .name("corral-shutdown".into())
+        .spawn(move || {
+            m.shutdown();
+            let _ = done_tx.send(());
+        })
+        .map_err(io("starting the shutdown thread"))?;
+    let deadline = tokio::time::Instant::now() + args.api.shutdown_timeout;
+    let stopped = tokio::time::timeout_at(deadline, done_rx).await.is_ok();
+    // Open requests may finish for what is left of the timeout, at most 5 s.
+    let drain = deadline.min(tokio::time::Instant::now() + Duration::from_secs(5));
+    let all = futures_util::future::join_all(tasks);
+    if tokio::time::timeout_at(drain, all).await.is_err() {
+        tracing::warn!("some connections did not close in time; exiting anyway");
+    }
+    Ok(stopped)
+}
