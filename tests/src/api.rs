@@ -1,8 +1,10 @@
-//! Helpers for the REST API tests: start `corral serve` on a private socket,
-//! and a minimal blocking HTTP/1.1 client over the Unix socket (keep-alive,
-//! Content-Length and chunked bodies).
+//! Helpers for the REST API tests: start `corral serve` on a private socket
+//! (and state directory), and a minimal blocking HTTP/1.1 client over the
+//! Unix socket or TCP with the daemon's token (keep-alive, Content-Length
+//! and chunked bodies).
 
 use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -15,24 +17,46 @@ pub struct Daemon {
     pub child: Child,
     /// Its socket.
     pub socket: PathBuf,
-    dir: PathBuf,
+    /// Its TCP address, with `--listen`.
+    pub tcp: Option<std::net::SocketAddr>,
+    /// Its bearer token file, with `--listen`.
+    pub token_file: Option<PathBuf>,
+    /// Its private directory (socket, state directory, token).
+    pub dir: PathBuf,
 }
 
 impl Daemon {
     /// Starts a daemon with extra `serve` arguments and waits until its
     /// socket answers.
     pub fn start(extra: &[&str]) -> Self {
-        Self::start_with_env(extra, &[])
+        Self::start_full(extra, &[], None)
     }
 
     /// [`Daemon::start`] with extra environment variables.
     pub fn start_with_env(extra: &[&str], env: &[(&str, &str)]) -> Self {
+        Self::start_full(extra, env, None)
+    }
+
+    /// [`Daemon::start`], with the daemon's open-file limit (soft and hard)
+    /// set to `fd_limit`.
+    pub fn start_with(extra: &[&str], fd_limit: Option<u64>) -> Self {
+        Self::start_full(extra, &[], fd_limit)
+    }
+
+    fn start_full(extra: &[&str], env: &[(&str, &str)], fd_limit: Option<u64>) -> Self {
         static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
         let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let dir = std::env::temp_dir().join(format!("corral-api-{}-{n}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("temp dir");
         let socket = dir.join("corral.sock");
-        let mut args = vec!["serve", "--socket", socket.to_str().expect("utf-8 path")];
+        let state = dir.join("state");
+        let mut args = vec![
+            "serve",
+            "--socket",
+            socket.to_str().expect("utf-8 path"),
+            "--state-dir",
+            state.to_str().expect("utf-8 path"),
+        ];
         // The tests' kernels and disks live in the temp dir and the guest
         // image caches: those are the image directories unless a test
         // names its own.
@@ -44,15 +68,58 @@ impl Daemon {
             }
         }
         args.extend_from_slice(extra);
-        let child = Command::new(crate::corral_bin())
-            .args(&args)
+        let mut cmd = Command::new(crate::corral_bin());
+        cmd.args(&args)
             .envs(env.iter().copied())
             .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("spawn corral serve");
-        let d = Daemon { child, socket, dir };
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
+        if let Some(n) = fd_limit {
+            use std::os::unix::process::CommandExt;
+            // SAFETY: setrlimit(2) is async-signal-safe; the closure touches
+            // nothing but its own copy of `n`.
+            unsafe {
+                cmd.pre_exec(move || {
+                    let r = libc::rlimit {
+                        rlim_cur: n,
+                        rlim_max: n,
+                    };
+                    if libc::setrlimit(libc::RLIMIT_NOFILE, &r) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    Ok(())
+                });
+            }
+        }
+        let mut child = cmd.spawn().expect("spawn corral serve");
+        // The first line names the TCP address and the token file.
+        let out = child.stdout.take().expect("stdout");
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut r = BufReader::new(out);
+            let mut line = String::new();
+            let _ = r.read_line(&mut line);
+            let _ = tx.send(line);
+            let _ = std::io::copy(&mut r, &mut std::io::sink());
+        });
+        let line = rx.recv_timeout(Duration::from_secs(20)).unwrap_or_default();
+        let tcp = line
+            .split("http://")
+            .nth(1)
+            .and_then(|s| s.split_whitespace().next())
+            .and_then(|a| a.parse().ok());
+        let token_file = line
+            .split("(token in ")
+            .nth(1)
+            .and_then(|s| s.trim_end().strip_suffix(')'))
+            .map(PathBuf::from);
+        let d = Daemon {
+            child,
+            socket,
+            tcp,
+            token_file,
+            dir,
+        };
         let deadline = Instant::now() + Duration::from_secs(20);
         while UnixStream::connect(&d.socket).is_err() {
             assert!(Instant::now() < deadline, "corral serve did not come up");
@@ -61,10 +128,14 @@ impl Daemon {
         d
     }
 
-    /// The daemon's bearer token for TCP clients, if it wrote one beside
-    /// its socket.
+    /// The daemon's bearer token for TCP clients, if it wrote one (with
+    /// `--listen`: to its token file, by default beside its socket).
     pub fn token(&self) -> Option<String> {
-        std::fs::read_to_string(self.dir.join("token"))
+        let p = self
+            .token_file
+            .clone()
+            .unwrap_or_else(|| self.dir.join("token"));
+        std::fs::read_to_string(p)
             .ok()
             .map(|t| t.trim().to_string())
     }
@@ -72,6 +143,19 @@ impl Daemon {
     /// A path for a test's image file where this daemon may open it.
     pub fn image_path(&self, name: &str) -> PathBuf {
         self.dir.join(name)
+    }
+
+    /// A new TCP connection that sends the token.
+    pub fn tcp_conn(&self) -> Conn {
+        let mut c = Conn::tcp(self.tcp.expect("the daemon has no TCP listener"));
+        let token = self.token().expect("the daemon wrote no token");
+        c.headers.push(format!("Authorization: Bearer {token}"));
+        c
+    }
+
+    /// One request over TCP with the token, on a fresh connection.
+    pub fn tcp_req(&self, method: &str, path: &str, body: Option<&str>) -> Resp {
+        self.tcp_conn().req(method, path, body)
     }
 
     /// A new connection.
@@ -162,22 +246,58 @@ impl Resp {
 /// Called with each chunk of a streamed body; false stops reading.
 pub type OnChunk<'a> = dyn FnMut(&[u8]) -> bool + 'a;
 
-/// One keep-alive HTTP/1.1 connection.
+/// One keep-alive HTTP/1.1 connection over the Unix socket or TCP.
 pub struct Conn {
-    r: BufReader<UnixStream>,
-    w: UnixStream,
+    r: BufReader<Box<dyn Read + Send>>,
+    w: Box<dyn Write + Send>,
+    /// The Host header sent.
+    pub host: String,
+    /// Extra header lines sent with every request (`Name: value`).
+    pub headers: Vec<String>,
 }
 
 impl Conn {
-    /// Connects.
+    /// Connects to a Unix socket.
     pub fn new(socket: &Path) -> Self {
         let s = UnixStream::connect(socket).expect("connect to corral");
         s.set_read_timeout(Some(Duration::from_secs(60))).ok();
         let w = s.try_clone().expect("clone stream");
         Conn {
-            r: BufReader::new(s),
-            w,
+            r: BufReader::new(Box::new(s)),
+            w: Box::new(w),
+            host: "localhost".into(),
+            headers: Vec::new(),
         }
+    }
+
+    /// Connects over TCP (no token: see [`Daemon::tcp_conn`]).
+    pub fn tcp(addr: std::net::SocketAddr) -> Self {
+        let s = TcpStream::connect(addr).expect("connect to corral over TCP");
+        s.set_read_timeout(Some(Duration::from_secs(60))).ok();
+        let w = s.try_clone().expect("clone stream");
+        Conn {
+            r: BufReader::new(Box::new(s)),
+            w: Box::new(w),
+            host: addr.to_string(),
+            headers: Vec::new(),
+        }
+    }
+
+    /// Writes raw bytes.
+    pub fn write_raw(&mut self, b: &[u8]) -> std::io::Result<()> {
+        self.w.write_all(b)
+    }
+
+    /// One read of what has arrived (0 at EOF or on an error).
+    pub fn read_some(&mut self, buf: &mut [u8]) -> usize {
+        self.r.read(buf).unwrap_or(0)
+    }
+
+    /// Reads until EOF or error (for a connection the daemon is expected to
+    /// close); returns what came.
+    pub fn read_to_end(&mut self) -> std::io::Result<Vec<u8>> {
+        let mut v = Vec::new();
+        self.r.read_to_end(&mut v).map(|_| v)
     }
 
     /// Sends a request and reads the whole response.
@@ -191,7 +311,7 @@ impl Conn {
         self.send_with(method, path, &[], body);
     }
 
-    /// Sends a request with extra headers.
+    /// Sends a request with extra headers (besides [`Conn::headers`]).
     pub fn send_with(
         &mut self,
         method: &str,
@@ -199,7 +319,10 @@ impl Conn {
         headers: &[(&str, &str)],
         body: Option<&str>,
     ) {
-        let mut head = format!("{method} {path} HTTP/1.1\r\nHost: localhost\r\n");
+        let mut head = format!("{method} {path} HTTP/1.1\r\nHost: {}\r\n", self.host);
+        for h in &self.headers {
+            head += &format!("{h}\r\n");
+        }
         for (k, v) in headers {
             head += &format!("{k}: {v}\r\n");
         }

@@ -52,6 +52,8 @@ impl From<ManagerError> for ApiError {
         if status == StatusCode::INTERNAL_SERVER_ERROR {
             tracing::error!("{}", clip_words(&e.to_string()));
         }
+        // The message may repeat client input at any length: the request
+        // guard clips it (`scrub`) on its way out.
         Self::new(status, e.code().unwrap_or(code), e.to_string())
     }
 }
@@ -61,7 +63,8 @@ impl IntoResponse for ApiError {
         let body = dto::ErrorBody {
             error: dto::ErrorDetail {
                 code: self.code.to_string(),
-                message: clip_words(&self.message),
+                // Clipped by the request guard, which knows the input.
+                message: self.message,
             },
         };
         (self.status, Json(body)).into_response()

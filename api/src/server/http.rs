@@ -17,7 +17,6 @@ use std::time::{Duration, Instant};
 
 use axum::Router;
 use axum::body::Body;
-use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
@@ -342,7 +341,7 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Tracked<S> {
         buf: &[u8],
     ) -> Poll<std::io::Result<usize>> {
         let r = Pin::new(&mut self.inner).poll_write(cx, buf);
-        self.note_write(r.is_pending());
+        self.note_write(&r);
         r
     }
 
@@ -352,7 +351,7 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Tracked<S> {
         bufs: &[std::io::IoSlice<'_>],
     ) -> Poll<std::io::Result<usize>> {
         let r = Pin::new(&mut self.inner).poll_write_vectored(cx, bufs);
-        self.note_write(r.is_pending());
+        self.note_write(&r);
         r
     }
 
@@ -362,7 +361,11 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Tracked<S> {
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
         let r = Pin::new(&mut self.inner).poll_flush(cx);
-        self.note_write(r.is_pending());
+        let n = match &r {
+            Poll::Pending => Poll::Pending,
+            Poll::Ready(_) => Poll::Ready(Ok(0)),
+        };
+        self.note_write(&n);
         r
     }
 
@@ -372,21 +375,65 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Tracked<S> {
 }
 
 impl<S> Tracked<S> {
-    fn note_write(&self, pending: bool) {
+    /// Notes a write's result: pending starts a stall, bytes written are
+    /// activity. (A flush that had nothing to do is neither: hyper flushes
+    /// whenever its connection is polled.)
+    fn note_write(&self, r: &Poll<std::io::Result<usize>>) {
         let a = &self.act;
         let now = a.now();
-        if pending {
-            let _ =
-                a.write_stalled
-                    .compare_exchange(NONE, now, Ordering::Relaxed, Ordering::Relaxed);
-        } else {
-            a.write_stalled.store(NONE, Ordering::Relaxed);
-            a.last_io.store(now, Ordering::Relaxed);
+        match r {
+            Poll::Pending => {
+                let _ = a.write_stalled.compare_exchange(
+                    NONE,
+                    now,
+                    Ordering::Relaxed,
+                    Ordering::Relaxed,
+                );
+            }
+            Poll::Ready(Ok(n)) => {
+                a.write_stalled.store(NONE, Ordering::Relaxed);
+                if *n > 0 {
+                    a.last_io.store(now, Ordering::Relaxed);
+                }
+            }
+            Poll::Ready(Err(_)) => a.write_stalled.store(NONE, Ordering::Relaxed),
         }
     }
 }
 
-/// Counts a request as in flight until its response body is dropped.
+/// A response body that ends its request's [`InFlight`] when it has sent
+/// its last frame (hyper may keep a finished body until the connection's
+/// next request) or is dropped.
+struct Tracking {
+    inner: Body,
+    guard: Option<InFlight>,
+}
+
+impl http_body::Body for Tracking {
+    type Data = axum::body::Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+        let r = Pin::new(&mut self.inner).poll_frame(cx);
+        if matches!(r, Poll::Ready(None)) || self.inner.is_end_stream() {
+            self.guard = None;
+        }
+        r
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// Counts a request as in flight until its response is sent.
 struct InFlight(Arc<Activity>);
 
 impl Drop for InFlight {
@@ -432,10 +479,9 @@ async fn serve_conn<S>(
                 .await
                 .unwrap_or_else(|e| match e {});
             Ok::<_, std::convert::Infallible>(resp.map(move |b| {
-                Body::new(b.map_frame(move |f| {
-                    let _ = &guard;
-                    f
-                }))
+                // An empty body may never be polled: the request is over.
+                let guard = (!http_body::Body::is_end_stream(&b)).then_some(guard);
+                Body::new(Tracking { inner: b, guard })
             }))
         }
     });
