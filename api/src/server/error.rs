@@ -147,7 +147,7 @@ mod tests {
     fn long_input_is_clipped_in_every_form() {
         let name = format!("a b\"{}", "x".repeat(500));
         let msg = format!("invalid VM name {name:?}: too long; path {name}: no");
-        let s = scrub(&msg, &[name.clone()]);
+        let s = scrub(&msg, std::slice::from_ref(&name));
         assert!(!s.contains(&"x".repeat(MAX_QUOTE + 1)), "{s}");
         assert!(s.len() < 300, "{s}");
         assert!(s.starts_with("invalid VM name \"a b\\\""), "{s}");
