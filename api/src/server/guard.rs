@@ -52,7 +52,19 @@ impl TcpAuth {
         Self { token, hosts }
     }
 
-    fn check(&self, h: &HeaderMap) -> Result<(), ApiError> {
+    /// The Host check, then the token (skipped for the dashboard's static
+    /// files, which hold nothing and which a browser fetches without it).
+    fn check(&self, method: &Method, path: &str, h: &HeaderMap) -> Result<(), ApiError> {
+        self.check_host(h)?;
+        let static_ui = matches!(*method, Method::GET | Method::HEAD)
+            && matches!(path, "/ui" | "/ui/" | "/ui/app.js" | "/ui/style.css");
+        if static_ui {
+            return Ok(());
+        }
+        self.check_token(h)
+    }
+
+    fn check_host(&self, h: &HeaderMap) -> Result<(), ApiError> {
         let host = h
             .get(header::HOST)
             .and_then(|v| v.to_str().ok())
@@ -64,6 +76,17 @@ impl TcpAuth {
                 self.hosts.join(", ")
             )));
         }
+        Ok(())
+    }
+
+    /// Whether `origin` is this daemon's own (the dashboard's requests).
+    fn same_origin(&self, origin: &str) -> bool {
+        origin
+            .strip_prefix("http://")
+            .is_some_and(|o| self.hosts.iter().any(|a| a.eq_ignore_ascii_case(o)))
+    }
+
+    fn check_token(&self, h: &HeaderMap) -> Result<(), ApiError> {
         let mut auth = h.get_all(header::AUTHORIZATION).iter();
         let given = match (auth.next(), auth.next()) {
             (Some(v), None) => v.to_str().ok().and_then(|v| {
@@ -121,15 +144,26 @@ fn is_json(v: Option<&HeaderValue>) -> bool {
 }
 
 /// Refuses what a web page could make a browser send: a write carrying an
-/// Origin header, or a body that is not JSON (form posts and `text/plain`
-/// need no CORS preflight).
-fn check_browser_write(method: &Method, h: &HeaderMap) -> Result<(), ApiError> {
+/// Origin header other than the daemon's own (its dashboard), or a body that
+/// is not JSON (form posts and `text/plain` need no CORS preflight).
+fn check_browser_write(
+    tcp: Option<&TcpAuth>,
+    method: &Method,
+    h: &HeaderMap,
+) -> Result<(), ApiError> {
     let read = matches!(*method, Method::GET | Method::HEAD);
-    if !read && h.contains_key(header::ORIGIN) {
-        return Err(ApiError::forbidden(
-            "cross-origin writes are refused: this request carries an Origin header \
-             (the API is not for browsers)",
-        ));
+    if let Some(origin) = h.get(header::ORIGIN)
+        && !read
+    {
+        let own = origin
+            .to_str()
+            .ok()
+            .is_some_and(|o| tcp.is_some_and(|t| t.same_origin(o)));
+        if !own {
+            return Err(ApiError::forbidden(
+                "cross-origin writes are refused: this request carries a foreign Origin header",
+            ));
+        }
     }
     if has_body(h) && !is_json(h.get(header::CONTENT_TYPE)) {
         return Err(ApiError::forbidden(
@@ -152,7 +186,7 @@ pub async fn check(State(g): State<Arc<Guard>>, req: Request, next: Next) -> Res
         return r;
     }
     if let Some(tcp) = &g.tcp
-        && let Err(e) = tcp.check(req.headers())
+        && let Err(e) = tcp.check(req.method(), req.uri().path(), req.headers())
     {
         let mut r = e.into_response();
         if r.status() == StatusCode::UNAUTHORIZED {
@@ -161,7 +195,7 @@ pub async fn check(State(g): State<Arc<Guard>>, req: Request, next: Next) -> Res
         }
         return r;
     }
-    if let Err(e) = check_browser_write(req.method(), req.headers()) {
+    if let Err(e) = check_browser_write(g.tcp.as_ref(), req.method(), req.headers()) {
         return e.into_response();
     }
     let limits = req
@@ -321,7 +355,7 @@ mod tests {
             let mut m = HeaderMap::new();
             m.insert(header::HOST, h.parse().unwrap());
             m.insert(header::AUTHORIZATION, "Bearer t".parse().unwrap());
-            a.check(&m).is_ok()
+            a.check(&Method::GET, "/v1/vms", &m).is_ok()
         };
         for h in [
             "127.0.0.1:7070",
@@ -342,6 +376,28 @@ mod tests {
         ] {
             assert!(!ok(h), "{h}");
         }
+    }
+
+    #[test]
+    fn origins_and_the_static_dashboard() {
+        let a = TcpAuth::new("t".into(), "127.0.0.1:7070".parse().unwrap(), &[]);
+        let with = |k: header::HeaderName, v: &str| {
+            let mut m = HeaderMap::new();
+            m.insert(header::HOST, "localhost:7070".parse().unwrap());
+            m.insert(k, v.parse().unwrap());
+            m
+        };
+        let own = with(header::ORIGIN, "http://localhost:7070");
+        let evil = with(header::ORIGIN, "http://evil.example.com");
+        assert!(check_browser_write(Some(&a), &Method::PATCH, &own).is_ok());
+        assert!(check_browser_write(Some(&a), &Method::PATCH, &evil).is_err());
+        assert!(check_browser_write(None, &Method::PATCH, &own).is_err());
+        assert!(check_browser_write(Some(&a), &Method::GET, &evil).is_ok());
+        let no_token = with(header::ACCEPT, "*/*");
+        assert!(a.check(&Method::GET, "/ui", &no_token).is_ok());
+        assert!(a.check(&Method::GET, "/ui/app.js", &no_token).is_ok());
+        assert!(a.check(&Method::GET, "/v1/vms", &no_token).is_err());
+        assert!(a.check(&Method::POST, "/ui", &no_token).is_err());
     }
 
     #[test]
