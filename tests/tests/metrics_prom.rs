@@ -302,12 +302,15 @@ fn a_real_prometheus_scrapes_the_daemon_and_answers_a_query() {
     let listen = format!("127.0.0.1:{api_port}");
     let d = busy_daemon(&dir, &["--listen", &listen]);
     let config = dir.join("prometheus.yml");
+    // The TCP API needs the daemon's bearer token.
+    let token = d.token_file.clone().expect("the daemon's token file");
     std::fs::write(
         &config,
         format!(
             "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n\
              scrape_configs:\n  - job_name: corral\n    static_configs:\n      \
-             - targets: ['{listen}']\n"
+             - targets: ['{listen}']\n    authorization:\n      credentials_file: {}\n",
+            token.display()
         ),
     )
     .expect("config");
