@@ -178,28 +178,26 @@ pub fn spawn_cpu_sampler(mgr: Arc<Manager>) {
     });
 }
 
-/// Waits for SIGINT or SIGTERM.
-pub async fn terminate_signal() {
+/// Waits for SIGINT or SIGTERM. The handlers are installed when this is
+/// called, not when the future is first polled: a signal that comes right
+/// after start-up is caught, not fatal.
+pub fn terminate_signal() -> impl std::future::Future<Output = ()> {
     use tokio::signal::unix::{SignalKind, signal};
-    let mut term = match signal(SignalKind::terminate()) {
-        Ok(s) => s,
-        Err(e) => {
-            tracing::error!("cannot catch SIGTERM: {e}");
-            std::future::pending::<()>().await;
-            return;
+    let term = signal(SignalKind::terminate());
+    let int = signal(SignalKind::interrupt());
+    async move {
+        let (mut term, mut int) = match (term, int) {
+            (Ok(t), Ok(i)) => (t, i),
+            (Err(e), _) | (_, Err(e)) => {
+                tracing::error!("cannot catch SIGTERM/SIGINT: {e}");
+                std::future::pending::<()>().await;
+                return;
+            }
+        };
+        tokio::select! {
+            _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
+            _ = int.recv() => tracing::info!("SIGINT: shutting down"),
         }
-    };
-    let mut int = match signal(SignalKind::interrupt()) {
-        Ok(s) => s,
-        Err(e) => {
-            tracing::error!("cannot catch SIGINT: {e}");
-            std::future::pending::<()>().await;
-            return;
-        }
-    };
-    tokio::select! {
-        _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
-        _ = int.recv() => tracing::info!("SIGINT: shutting down"),
     }
 }
 
@@ -283,6 +281,7 @@ pub fn serve(args: ServeArgs, builtin: Arc<[u8]>) -> Result<(), ServeError> {
 /// Serves until SIGTERM/SIGINT; Ok(false) if the VMs did not stop within
 /// the shutdown timeout.
 async fn run(args: &ServeArgs, group: Option<u32>, mgr: Arc<Manager>) -> Result<bool, ServeError> {
+    let signalled = terminate_signal();
     let (unix, _bound) = bind_unix(&args.socket, group)?;
     let tcp = match args.listen {
         Some(a) => Some(
@@ -328,7 +327,7 @@ async fn run(args: &ServeArgs, group: Option<u32>, mgr: Arc<Manager>) -> Result<
         println!("corral: listening on {}", args.socket.display());
     }
     spawn_cpu_sampler(mgr.clone());
-    terminate_signal().await;
+    signalled.await;
     let _ = stop_tx.send(true);
     // The VMs are stopped on a thread of their own: the blocking pool may
     // be full of requests that are stuck.
