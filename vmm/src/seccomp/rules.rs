@@ -325,6 +325,10 @@ fn runtime(r: &mut Rules) {
             libc::SYS_chmod,
             libc::SYS_fchmod,
             libc::SYS_fchmodat,
+            // `serve --socket-group`: the socket is chgrp'd to the group
+            // (seen: lchown trapped, the daemon refused to start).
+            libc::SYS_lchown,
+            libc::SYS_fchownat,
             libc::SYS_dup,
             libc::SYS_dup3,
             libc::SYS_pipe2,
