@@ -646,3 +646,26 @@ fn cli_does_not_panic_on_a_broken_pipe() {
         o.status
     );
 }
+
+/// A client that asks and never reads (here: 100 pipelined requests for the
+/// 40 KiB spec) is dropped once the daemon's writes have waited
+/// --write-timeout; before, the connection and its buffers stayed forever.
+/// Console followers that stop reading are dropped the same way.
+#[test]
+fn a_client_that_does_not_read_is_dropped() {
+    let d = Daemon::start(&["--write-timeout", "1"]);
+    let spec_len = d.req("GET", "/v1/openapi.yaml", None).body.len();
+    let mut s = UnixStream::connect(&d.socket).unwrap();
+    let one = "GET /v1/openapi.yaml HTTP/1.1\r\nHost: localhost\r\n\r\n";
+    s.write_all(one.repeat(100).as_bytes()).unwrap();
+    std::thread::sleep(Duration::from_secs(3));
+    let got = closed_within(&mut s, Duration::from_secs(5)).expect("the stalled connection");
+    assert!(
+        got.len() < 50 * spec_len,
+        "{} bytes of {} came: the connection was not cut",
+        got.len(),
+        100 * spec_len
+    );
+    // The daemon itself is fine.
+    assert_eq!(d.req("GET", "/v1/status", None).status, 200);
+}
