@@ -129,6 +129,8 @@ pub fn bind_unix(
     {
         std::fs::create_dir_all(dir).map_err(io(format!("creating {}", dir.display())))?;
     }
+    // Between bind and chmod the socket has the umask's mode; a peer that
+    // connects then is still refused by the SO_PEERCRED check.
     let l =
         tokio::net::UnixListener::bind(path).map_err(io(format!("binding {}", path.display())))?;
     let id = std::fs::symlink_metadata(path)
