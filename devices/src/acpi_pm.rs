@@ -19,6 +19,17 @@
 //! PCI config 0xcf8-0xcff unclaimed) and is where QEMU's q35 puts its ACPI
 //! PM block, so guests do not probe it as something else.
 //!
+//! | 0x602 | GED event       | the DSDT's `GED0` `_EVT` reads it |
+//!
+//! The third port is the event register of the platform's Generic Event
+//! Device (ACPI 6.5, 5.6.9, `ACPI0013`): the host presses the power button
+//! with [`AcpiPm::press_power_button`], which latches [`EVENT_POWER_BUTTON`]
+//! and raises the GED's interrupt; the guest's `_EVT` method reads the
+//! register (reading clears it) and notifies the power button device
+//! (`PNP0C0C`, `Notify(PWRB, 0x80)`), which a Linux guest turns into
+//! KEY_POWER (and systemd into a clean power-off). A guest without ACPI may
+//! poll the register itself (the probe's `probe.pwrbtn=1` does).
+//!
 //! Sleep control (write): bits 2..4 `SLP_TYPx`, bit 5 `SLP_EN`. A write with
 //! `SLP_EN` set and `SLP_TYPx == SLP_TYP_S5` (the value of the DSDT's `_S5_`
 //! package) calls the shutdown callback. Other sleep types are ignored (corral
@@ -30,11 +41,15 @@ use crate::bus::BusDevice;
 /// First port of the device.
 pub const PORT_BASE: u16 = 0x600;
 /// Number of ports.
-pub const PORT_LEN: u16 = 2;
+pub const PORT_LEN: u16 = 3;
 /// Offset of the sleep control register.
 pub const SLEEP_CONTROL_OFFSET: u64 = 0;
 /// Offset of the sleep status register.
 pub const SLEEP_STATUS_OFFSET: u64 = 1;
+/// Offset of the GED event register (read to clear).
+pub const GED_EVENT_OFFSET: u64 = 2;
+/// GED event bit: the power button was pressed.
+pub const EVENT_POWER_BUTTON: u8 = 1;
 /// The `SLP_TYPx` value of S5 (soft off); the DSDT's `_S5_` package must
 /// carry the same value.
 pub const SLP_TYP_S5: u8 = 5;
@@ -46,6 +61,11 @@ const SLP_TYP_MASK: u8 = 0x7;
 /// The hardware-reduced ACPI sleep registers.
 pub struct AcpiPm {
     on_shutdown: Box<dyn FnMut() + Send>,
+    /// Raises the GED's interrupt (an irqfd write in the VMM).
+    on_event: Box<dyn FnMut() + Send>,
+    /// Latched GED events, cleared when the guest reads them.
+    events: u8,
+    presses: u64,
     shutdowns: u64,
     ignored_writes: u64,
     log: crate::GuestLog,
@@ -63,12 +83,37 @@ impl std::fmt::Debug for AcpiPm {
 impl AcpiPm {
     /// A device that calls `on_shutdown` when the guest enters S5.
     pub fn new(on_shutdown: Box<dyn FnMut() + Send>) -> Self {
+        Self::with_events(on_shutdown, Box::new(|| {}))
+    }
+
+    /// A device that also raises the GED interrupt through `on_event`.
+    pub fn with_events(
+        on_shutdown: Box<dyn FnMut() + Send>,
+        on_event: Box<dyn FnMut() + Send>,
+    ) -> Self {
         Self {
             on_shutdown,
+            on_event,
+            events: 0,
+            presses: 0,
             shutdowns: 0,
             ignored_writes: 0,
             log: crate::GuestLog::new("acpi-pm"),
         }
+    }
+
+    /// Presses the power button: latches the event and raises the GED
+    /// interrupt. The guest decides what to do (a clean power-off through
+    /// S5, or nothing).
+    pub fn press_power_button(&mut self) {
+        self.events |= EVENT_POWER_BUTTON;
+        self.presses += 1;
+        (self.on_event)();
+    }
+
+    /// Power-button presses so far.
+    pub fn presses(&self) -> u64 {
+        self.presses
     }
 
     /// How many times the guest asked for S5.
@@ -83,9 +128,12 @@ impl AcpiPm {
 }
 
 impl BusDevice for AcpiPm {
-    fn read(&mut self, _offset: u64, data: &mut [u8]) {
+    fn read(&mut self, offset: u64, data: &mut [u8]) {
         // Control: SLP_EN reads as 0. Status: no wake event pending.
         data.fill(0);
+        if let (GED_EVENT_OFFSET, [v]) = (offset, &mut *data) {
+            *v = std::mem::take(&mut self.events);
+        }
     }
 
     fn write(&mut self, offset: u64, data: &[u8]) {
@@ -106,6 +154,7 @@ impl BusDevice for AcpiPm {
             }
             // Clearing WAK_STS (write 1 to bit 7): nothing is latched.
             (SLEEP_STATUS_OFFSET, [_]) => {}
+            // The event register is read-only (read to clear).
             _ => self.ignored_writes += 1,
         }
     }
@@ -124,6 +173,37 @@ mod tests {
             n2.fetch_add(1, Ordering::SeqCst);
         }));
         (d, n)
+    }
+
+    #[test]
+    fn power_button_latches_until_read_and_raises_the_interrupt() {
+        let raised = Arc::new(AtomicU32::new(0));
+        let r = raised.clone();
+        let mut d = AcpiPm::with_events(
+            Box::new(|| {}),
+            Box::new(move || {
+                r.fetch_add(1, Ordering::SeqCst);
+            }),
+        );
+        let mut b = [0xffu8];
+        d.read(GED_EVENT_OFFSET, &mut b);
+        assert_eq!(b, [0], "nothing pending");
+        d.press_power_button();
+        assert_eq!(raised.load(Ordering::SeqCst), 1);
+        d.read(GED_EVENT_OFFSET, &mut b);
+        assert_eq!(b, [EVENT_POWER_BUTTON]);
+        d.read(GED_EVENT_OFFSET, &mut b);
+        assert_eq!(b, [0], "reading cleared it");
+        // Wider reads and writes do not touch the latch.
+        d.press_power_button();
+        let mut w = [0xffu8; 2];
+        d.read(GED_EVENT_OFFSET, &mut w);
+        assert_eq!(w, [0, 0]);
+        d.write(GED_EVENT_OFFSET, &[0]);
+        assert_eq!(d.ignored_writes(), 1);
+        d.read(GED_EVENT_OFFSET, &mut b);
+        assert_eq!(b, [EVENT_POWER_BUTTON]);
+        assert_eq!(d.presses(), 2);
     }
 
     #[test]

@@ -187,6 +187,26 @@ fn cases() -> Vec<(&'static str, &'static str, String, Option<String>)> {
             format!("{vm}/console?tail=5"),
             None,
         ),
+        (
+            "post",
+            "/v1/vms/{name}/console",
+            format!("{vm}/console"),
+            Some(r#"{"data":"x"}"#.into()),
+        ),
+        (
+            "post",
+            "/v1/vms/{name}/reboot",
+            format!("{vm}/reboot"),
+            None,
+        ),
+        (
+            "post",
+            "/v1/vms/{name}/shutdown",
+            format!("{vm}/shutdown"),
+            Some(r#"{"timeout_seconds":0}"#.into()),
+        ),
+        ("post", "/v1/vms/{name}/stop", format!("{vm}/stop"), None),
+        ("post", "/v1/vms/{name}/start", format!("{vm}/start"), None),
         ("delete", "/v1/vms/{name}", vm.into(), None),
         (
             "delete",

@@ -15,6 +15,9 @@
 //! lock while holding the scheduler's; it gets its inputs from
 //! [`Manager::sched_vms`] first.
 
+mod lifecycle;
+pub use lifecycle::MAX_SHUTDOWN_TIMEOUT;
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -560,6 +563,8 @@ struct Entry {
     disks: Mutex<Vec<DiskInfo>>,
     /// Last CPU time read per vCPU thread (kept once the thread is gone).
     cpu_ns: Mutex<Vec<u64>>,
+    /// Its resources were given back after it stopped ([`Manager::reap`]).
+    reaped: std::sync::atomic::AtomicBool,
 }
 
 impl Entry {
@@ -1088,21 +1093,15 @@ impl Manager {
 
     /// Releases the resources of every VM that has stopped on its own (guest
     /// shutdown, a fatal exit, a panicked thread, a seccomp violation):
-    /// joins its threads, closes its KVM fd, gives its RAM back, and stops
-    /// the scheduler thread from tracking it. Never blocks: a VM whose
-    /// threads are still finishing is released on a later call. The
-    /// daemon calls it twice a second (with [`Manager::sample_cpu`]).
+    /// joins its threads, closes its KVM fd, gives its RAM back, releases
+    /// its image locks and takes it out of the scheduler and its cgroup.
+    /// Never blocks: a VM whose threads are still finishing is released on
+    /// a later call. The daemon calls it twice a second (with
+    /// [`Manager::sample_cpu`]).
     pub fn reap(&self) {
         let entries: Vec<Arc<Entry>> = lock(&self.state).vms.values().cloned().collect();
         for e in entries {
-            if e.handle.exit_reason().is_some() && !e.handle.is_released() {
-                // Keep the last CPU figure before the threads are gone.
-                e.cpu_ns(true);
-                if e.handle.try_release() {
-                    self.cpu.detach(e.id);
-                    tracing::info!(vm = e.name, "VM stopped; its resources are released");
-                }
-            }
+            self.release_entry(&e, false);
         }
     }
 
@@ -1191,11 +1190,22 @@ impl Manager {
                     "a VM named {name:?} already exists"
                 )));
             }
-            let count = st.vms.len() + st.starting.len();
-            if count >= self.cfg.max_vms {
+            let live = st
+                .vms
+                .values()
+                .filter(|e| e.handle.exit_reason().is_none())
+                .count();
+            if live + st.starting.len() >= self.cfg.max_vms {
                 return Err(ManagerError::Refused(format!(
-                    "this daemon hosts at most {} VMs",
+                    "this daemon runs at most {} VMs",
                     self.cfg.max_vms
+                )));
+            }
+            // Stopped VMs book no resources but are objects all the same.
+            let defined_max = self.cfg.max_vms.saturating_mul(4);
+            if st.vms.len() + st.starting.len() >= defined_max {
+                return Err(ManagerError::Refused(format!(
+                    "this daemon keeps at most {defined_max} VM definitions (4 x --max-vms); delete stopped VMs"
                 )));
             }
             let (vcpus, mem) = Self::usage(&st);
@@ -1232,7 +1242,7 @@ impl Manager {
             }
         };
         self.images.book(&name, files.all());
-        let result = self.start_vm(id, &name, &req, group, &files);
+        let result = self.launch(id, &name, &req, group, &files);
         if result.is_err() {
             self.images.release(Some(&name), files.all());
         }
@@ -1262,6 +1272,7 @@ impl Manager {
                             .collect(),
                     ),
                     cpu_ns: Mutex::new(vec![0; n]),
+                    reaped: std::sync::atomic::AtomicBool::new(false),
                     request: req,
                 });
                 st.vms.insert(name, entry.clone());
@@ -1293,7 +1304,7 @@ impl Manager {
         (vcpus, mem)
     }
 
-    fn start_vm(
+    fn launch(
         &self,
         id: VmId,
         name: &str,
@@ -1416,23 +1427,13 @@ impl Manager {
     /// Stops a VM, frees it and returns its last snapshot. Blocks until its
     /// threads are gone.
     pub fn delete_vm(&self, name: &str) -> Result<VmInfo, ManagerError> {
-        let e = {
-            let mut st = lock(&self.state);
-            let e = st
-                .vms
-                .remove(name)
-                .ok_or_else(|| ManagerError::NotFound(format!("no VM named {name:?}")))?;
-            self.cpu.detach(e.id);
-            let _ = self.sched().remove_vm(e.id);
-            e
-        };
+        let e = lock(&self.state)
+            .vms
+            .remove(name)
+            .ok_or_else(|| ManagerError::NotFound(format!("no VM named {name:?}")))?;
         e.handle.stop();
-        e.handle.join();
         // Unlocked now, even if a console follower still holds the entry.
-        self.images.release(Some(&e.name), e.handle.files().iter());
-        if let Some(cg) = &self.cgroup {
-            let _ = cg.remove_vm(&self.cg_path(&lock(&e.class)), &e.name);
-        }
+        self.release_entry(&e, true);
         tracing::info!(vm = name, "VM deleted");
         Ok(self.vm_info(&e, None))
     }

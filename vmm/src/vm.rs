@@ -490,6 +490,10 @@ pub(crate) struct Shared {
     /// The VM's name (for the test-only fault injection).
     #[cfg(debug_assertions)]
     pub(crate) name: String,
+    /// COM1, for console input from the host (`VmHandle::console_input`).
+    serial: Arc<Mutex<SerialDevice>>,
+    /// The ACPI sleep and event registers (the power button), with ACPI.
+    acpi_pm: Option<Arc<Mutex<AcpiPm>>>,
 }
 
 impl Shared {
@@ -731,6 +735,29 @@ impl VmHandle {
             limits,
             reply,
         })
+    }
+
+    /// Presses the VM's ACPI power button (the guest decides what to do;
+    /// a guest that honours it powers off through S5). `false` when the VM
+    /// has no ACPI (`--no-acpi`) or has stopped.
+    pub fn press_power_button(&self) -> bool {
+        match &self.shared.acpi_pm {
+            Some(pm) if self.exit_reason().is_none() => {
+                lock(pm).press_power_button();
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Feeds bytes to the guest's serial port as if typed; returns how many
+    /// fit in its receive FIFO (the rest is for the caller to send again
+    /// once the guest has read some). 0 once the VM has stopped.
+    pub fn console_input(&self, data: &[u8]) -> usize {
+        if self.exit_reason().is_some() {
+            return 0;
+        }
+        lock(&self.shared.serial).enqueue_input(data)
     }
 
     /// Asks the VM to stop; returns at once.
@@ -1075,20 +1102,32 @@ pub fn start(cfg: &VmConfig) -> Result<VmHandle, VmError> {
     }));
     pio.insert(0x60, 5, Arc::new(Mutex::new(i8042)))
         .map_err(|e| VmError::Config(e.to_string()))?;
+    let mut acpi_dev = None;
     if cfg.acpi {
         let pm_target = shared_slot.clone();
-        let pm = AcpiPm::new(Box::new(move || {
-            if let Some(s) = lock(&pm_target).as_ref().and_then(|w| w.upgrade()) {
-                // S5 is a clean stop, like the i8042 reset.
-                s.set_exit(ExitReason::GuestShutdown);
-            }
-        }));
+        // The power button's event device interrupt (see acpi::GED_IRQ).
+        let ged_irq = EventFd::new(EFD_NONBLOCK).map_err(io_err("eventfd"))?;
+        vm.register_irqfd(&ged_irq, crate::acpi::GED_IRQ)
+            .map_err(kvm_err("KVM_IRQFD (GED)"))?;
+        let pm = AcpiPm::with_events(
+            Box::new(move || {
+                if let Some(s) = lock(&pm_target).as_ref().and_then(|w| w.upgrade()) {
+                    // S5 is a clean stop, like the i8042 reset.
+                    s.set_exit(ExitReason::GuestShutdown);
+                }
+            }),
+            Box::new(move || {
+                let _ = ged_irq.write(1);
+            }),
+        );
+        let pm = Arc::new(Mutex::new(pm));
         pio.insert(
             u64::from(acpi_pm::PORT_BASE),
             u64::from(acpi_pm::PORT_LEN),
-            Arc::new(Mutex::new(pm)),
+            pm.clone(),
         )
         .map_err(|e| VmError::Config(e.to_string()))?;
+        acpi_dev = Some(pm);
     }
 
     let (control_tx, control_rx) = std::sync::mpsc::channel();
@@ -1112,6 +1151,8 @@ pub fn start(cfg: &VmConfig) -> Result<VmHandle, VmError> {
         device_thread: format!("dev-{}", cfg.name),
         #[cfg(debug_assertions)]
         name: cfg.name.clone(),
+        serial: serial.clone(),
+        acpi_pm: acpi_dev,
     });
     *lock(&shared_slot) = Some(Arc::downgrade(&shared));
     for g in shared.gates() {

@@ -2,6 +2,7 @@
 //! and the parsing of limits and disks (output formatting in [`table`],
 //! `corral top` in [`top`]).
 
+pub mod attach;
 pub mod parse;
 pub mod table;
 pub mod top;
@@ -131,6 +132,32 @@ pub enum VmCmd {
         #[arg(required = true)]
         names: Vec<String>,
     },
+    /// Stop VMs at once (like pulling the plug), keeping their definitions.
+    Stop {
+        /// VM names.
+        #[arg(required = true)]
+        names: Vec<String>,
+    },
+    /// Start stopped VMs again from their definitions.
+    Start {
+        /// VM names.
+        #[arg(required = true)]
+        names: Vec<String>,
+    },
+    /// Stop a VM hard and start it again.
+    Reboot {
+        /// VM name.
+        name: String,
+    },
+    /// Press a VM's ACPI power button and wait for it to power off; stop it
+    /// hard when the timeout passes.
+    Shutdown {
+        /// VM name.
+        name: String,
+        /// Seconds the guest has to power off (0..=600).
+        #[arg(long, default_value_t = 30.0)]
+        timeout: f64,
+    },
     /// Pause a VM's vCPUs.
     Pause {
         /// VM name.
@@ -169,6 +196,10 @@ pub enum VmCmd {
         /// Keep printing new output until the VM stops (Ctrl-C to quit).
         #[arg(short, long)]
         follow: bool,
+        /// Interactive: also send what you type to the guest (raw terminal;
+        /// Ctrl-] detaches).
+        #[arg(long, conflicts_with_all = ["tail", "follow"])]
+        attach: bool,
     },
 }
 
@@ -245,7 +276,7 @@ impl From<ClientError> for CliError {
     }
 }
 
-type R = Result<(), CliError>;
+pub(crate) type R = Result<(), CliError>;
 
 fn print_json(v: &impl serde::Serialize) {
     match serde_json::to_string_pretty(v) {
@@ -352,6 +383,39 @@ pub async fn vm(c: &Client, cmd: VmCmd, json: bool) -> R {
                 return Err(e);
             }
         }
+        VmCmd::Stop { names } => {
+            for n in names {
+                action(c, &n, "stop", json).await?;
+            }
+        }
+        VmCmd::Start { names } => {
+            for n in names {
+                action(c, &n, "start", json).await?;
+            }
+        }
+        VmCmd::Reboot { name } => action(c, &name, "reboot", json).await?,
+        VmCmd::Shutdown { name, timeout } => {
+            if !(0.0..=600.0).contains(&timeout) {
+                return Err(CliError(format!(
+                    "--timeout {timeout}: must be 0..=600 seconds"
+                )));
+            }
+            let body = serde_json::json!({ "timeout_seconds": timeout });
+            let v: dto::Vm = c
+                .json(
+                    Method::POST,
+                    &format!("/v1/vms/{}/shutdown", seg(&name)),
+                    Some(&body),
+                )
+                .await?;
+            if json {
+                print_json(&v);
+            } else if v.state == "shutdown" {
+                println!("{} powered off", v.name);
+            } else {
+                println!("{} did not power off in {timeout} s: {}", v.name, v.state);
+            }
+        }
         VmCmd::Pause { name } => action(c, &name, "pause", json).await?,
         VmCmd::Resume { name } => action(c, &name, "resume", json).await?,
         VmCmd::Set { name, cap } => {
@@ -393,7 +457,12 @@ pub async fn vm(c: &Client, cmd: VmCmd, json: bool) -> R {
                 println!("{} is now in class {}", v.name, v.class);
             }
         }
-        VmCmd::Console { name, tail, follow } => {
+        VmCmd::Console {
+            name, attach: true, ..
+        } => attach::attach(c, &name).await?,
+        VmCmd::Console {
+            name, tail, follow, ..
+        } => {
             let mut q = vec![];
             if let Some(t) = tail {
                 q.push(format!("tail={t}"));

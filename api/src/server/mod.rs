@@ -23,6 +23,7 @@ mod http;
 mod json;
 mod lifecycle;
 mod routes;
+pub mod vm_lifecycle;
 
 pub use args::ApiArgs;
 pub use http::HttpLimits;

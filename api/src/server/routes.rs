@@ -27,10 +27,10 @@ pub struct AppState {
     followers: Arc<Followers>,
 }
 
-type ApiResult<T> = Result<T, ApiError>;
+pub(super) type ApiResult<T> = Result<T, ApiError>;
 
 /// Runs a manager call on the blocking pool.
-async fn blocking<T: Send + 'static>(
+pub(super) async fn blocking<T: Send + 'static>(
     mgr: &Arc<Manager>,
     f: impl FnOnce(&Manager) -> Result<T, ManagerError> + Send + 'static,
 ) -> ApiResult<T> {
@@ -71,7 +71,11 @@ pub fn router(mgr: Arc<Manager>) -> Router {
         .route("/v1/vms/{name}/resume", post(resume_vm))
         .route("/v1/vms/{name}/move", post(move_vm))
         .route("/v1/vms/{name}/disks/{disk}", patch(patch_disk))
-        .route("/v1/vms/{name}/console", get(console))
+        .route(
+            "/v1/vms/{name}/console",
+            get(console).post(super::vm_lifecycle::console_input),
+        )
+        .merge(super::vm_lifecycle::router())
         .route("/metrics", get(metrics_handler))
         .merge(crate::ui::router())
         .fallback(not_found)

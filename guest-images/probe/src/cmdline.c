@@ -139,6 +139,8 @@ const char *cmdline_parse(void)
 			ok = num_param(v, vl, 1, 86400, &params.secs);
 		} else if (str_eq_n(tok, kl, "probe.interval_ms")) {
 			ok = num_param(v, vl, 1, 86400000, &params.interval_ms);
+		} else if (str_eq_n(tok, kl, "probe.pwrbtn")) {
+			ok = num_param(v, vl, 0, 1, &params.pwrbtn);
 		} else if (str_eq_n(tok, kl, "probe.units")) {
 			ok = num_param(v, vl, 1, 100000000, &params.units);
 		} else if (str_eq_n(tok, kl, "probe.unit_iters")) {

@@ -12,6 +12,7 @@ static const struct probe_mode *const modes[] = {
 	&mode_work,
 	&mode_blk,
 	&mode_evil,
+	&mode_echo,
 };
 
 void __attribute__((noreturn)) probe_finish(bool ok, const char *reason)

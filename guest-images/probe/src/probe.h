@@ -117,6 +117,7 @@ struct probe_params {
 	u64 blk_seed;      /* verify pattern seed */
 	u64 blk_timeout_ms;/* no-progress timeout */
 	char evil_case[32];/* evil: which fault (probe.case) */
+	u64 pwrbtn;        /* spin: power off when the ACPI power button is pressed */
 };
 /* virtio_mmio.device=<size>@<base>:<irq>[:<id>] entries, in command-line order. */
 #define MAX_VMMIO 16
@@ -236,7 +237,7 @@ struct probe_mode {
 	 * success or a one-word error reason. */
 	const char *(*report)(u32 ncpus);
 };
-extern const struct probe_mode mode_boot, mode_spin, mode_work, mode_blk, mode_evil;
+extern const struct probe_mode mode_boot, mode_spin, mode_work, mode_blk, mode_evil, mode_echo;
 extern u64 run_start_tsc; /* TSC at release of the mode's work */
 
 #endif

@@ -23,6 +23,13 @@ const MULTI_NAME_PREFIX: u8 = 0x2f;
 const ROOT_CHAR: u8 = b'\\';
 const EXT_OP_PREFIX: u8 = 0x5b;
 const DEVICE_OP: u8 = 0x82;
+const METHOD_OP: u8 = 0x14;
+const OP_REGION_OP: u8 = 0x80;
+const FIELD_OP: u8 = 0x81;
+const IF_OP: u8 = 0xa0;
+const AND_OP: u8 = 0x7b;
+const NOTIFY_OP: u8 = 0x86;
+const NULL_NAME: u8 = 0x00;
 const ONES_OP: u8 = 0xff;
 
 /// One 4-character name segment: `[A-Z_][A-Z0-9_]{0,3}`, padded with `_`.
@@ -244,6 +251,69 @@ pub fn interrupt(trigger: Trigger, gsi: u32) -> Vec<u8> {
     o.push(flags);
     o.push(1); // one interrupt in the table
     o.extend(gsi.to_le_bytes());
+    o
+}
+
+/// `Method (name, args, NotSerialized) { terms }`.
+pub fn method(name: &str, args: u8, terms: Vec<u8>) -> Vec<u8> {
+    let mut body = name_string(name);
+    body.push(args & 0x7);
+    body.extend(terms);
+    with_pkg_length(&[METHOD_OP], body)
+}
+
+/// `OperationRegion (name, SystemIO, base, len)`.
+pub fn system_io_region(name: &str, base: u16, len: u16) -> Vec<u8> {
+    const SYSTEM_IO: u8 = 0x01;
+    let mut o = vec![EXT_OP_PREFIX, OP_REGION_OP];
+    o.extend(name_string(name));
+    o.push(SYSTEM_IO);
+    o.extend(integer(u64::from(base)));
+    o.extend(integer(u64::from(len)));
+    o
+}
+
+/// `Field (region, ByteAcc, NoLock, Preserve) { name, 8, ... }`: byte-wide
+/// fields, one per name (4-character name segments).
+pub fn byte_fields(region: &str, names: &[&str]) -> Vec<u8> {
+    const BYTE_ACC: u8 = 0x01;
+    let mut body = name_string(region);
+    body.push(BYTE_ACC);
+    for n in names {
+        let seg = n.as_bytes();
+        assert!(seg.len() == 4, "field names are one 4-character segment");
+        body.extend_from_slice(seg);
+        body.push(8); // width in bits, a one-byte PkgLength
+    }
+    with_pkg_length(&[EXT_OP_PREFIX, FIELD_OP], body)
+}
+
+/// `If (predicate) { terms }`.
+pub fn if_(predicate: Vec<u8>, terms: Vec<u8>) -> Vec<u8> {
+    let mut body = predicate;
+    body.extend(terms);
+    with_pkg_length(&[IF_OP], body)
+}
+
+/// `And (a, b)` with no target (its value is the result).
+pub fn and(a: Vec<u8>, b: Vec<u8>) -> Vec<u8> {
+    let mut o = vec![AND_OP];
+    o.extend(a);
+    o.extend(b);
+    o.push(NULL_NAME);
+    o
+}
+
+/// A reference to a named object (a field, a device) as an operand.
+pub fn path(path: &str) -> Vec<u8> {
+    name_string(path)
+}
+
+/// `Notify (object, value)`.
+pub fn notify(object: &str, value: u64) -> Vec<u8> {
+    let mut o = vec![NOTIFY_OP];
+    o.extend(name_string(object));
+    o.extend(integer(value));
     o
 }
 

@@ -88,6 +88,9 @@ pub const TABLES_END: u64 = HIGH_MEM_START;
 pub const COM1_PORT: u16 = 0x3f8;
 /// COM1's interrupt (GSI = IOAPIC pin).
 pub const COM1_IRQ: u32 = 4;
+/// The Generic Event Device's interrupt (the power button): ISA IRQ 3,
+/// COM2's, which corral has no device for.
+pub const GED_IRQ: u32 = 3;
 /// Most virtio-mmio windows the DSDT names (`V000`..`VFFF`).
 pub const MAX_VIRTIO_MMIO: usize = 0x1000;
 
@@ -248,6 +251,9 @@ fn validate(p: &AcpiParams) -> Result<(), AcpiError> {
         if p.serial && w.irq == COM1_IRQ {
             return Err(bad_irq("used by COM1"));
         }
+        if w.irq == GED_IRQ {
+            return Err(bad_irq("used by the power button's event device"));
+        }
         if irqs.contains(&w.irq) {
             return Err(bad_irq(
                 "used by another device (edge interrupts are not shared)",
@@ -297,6 +303,44 @@ fn dsdt(p: &AcpiParams) -> Vec<u8> {
             .concat(),
         ));
     }
+    // The power button (PNP0C0C) and the Generic Event Device whose
+    // interrupt tells the guest to read the event register (see
+    // `corral_devices::acpi_pm`): `_EVT` notifies the button with 0x80
+    // ("pressed"), which Linux's button driver turns into KEY_POWER.
+    sb.extend(aml::device(
+        "PWRB",
+        [
+            aml::name("_HID", aml::eisa_id("PNP0C0C")),
+            aml::name("_UID", aml::integer(0)),
+        ]
+        .concat(),
+    ));
+    let ged_port = acpi_pm::PORT_BASE + acpi_pm::GED_EVENT_OFFSET as u16;
+    sb.extend(aml::device(
+        "GED0",
+        [
+            aml::name("_HID", aml::string("ACPI0013")),
+            aml::name("_UID", aml::integer(0)),
+            aml::name(
+                "_CRS",
+                aml::resource_template(&[aml::interrupt(Trigger::Edge, GED_IRQ)]),
+            ),
+            aml::system_io_region("GDST", ged_port, 1),
+            aml::byte_fields("GDST", &["GDAT"]),
+            aml::method(
+                "_EVT",
+                1,
+                aml::if_(
+                    aml::and(
+                        aml::path("GDAT"),
+                        aml::integer(u64::from(acpi_pm::EVENT_POWER_BUTTON)),
+                    ),
+                    aml::notify("\\_SB.PWRB", 0x80),
+                ),
+            ),
+        ]
+        .concat(),
+    ));
     let mut t = header(b"DSDT", 2); // revision 2: 64-bit integers
     let s5 = u64::from(acpi_pm::SLP_TYP_S5);
     t.extend(aml::name(

@@ -475,6 +475,21 @@ fn expected_devices(p: &AcpiParams) -> Vec<AslDevice> {
             ],
         });
     }
+    v.push(AslDevice {
+        path: "\\_SB.PWRB".into(),
+        hid: "EisaId (\"PNP0C0C\")".into(),
+        uid: 0,
+        resources: vec![],
+    });
+    v.push(AslDevice {
+        path: "\\_SB.GED0".into(),
+        hid: "\"ACPI0013\"".into(),
+        uid: 0,
+        resources: vec![format!(
+            "Interrupt (ResourceConsumer, Edge, ActiveHigh, Exclusive, ,, ) [{}]",
+            super::GED_IRQ
+        )],
+    });
     v
 }
 
@@ -622,7 +637,8 @@ fn acpiexec_loads_tables_and_evaluates_objects() {
     // `resources` converts each _CRS into ACPICA's resource structures (what
     // Linux does with it) and back, and compares.
     let cmds = "evaluate \\_S5_; evaluate \\_SB.V001._HID; resources \\_SB.V000; \
-                resources \\_SB.V001; resources \\_SB.COM1";
+                resources \\_SB.V001; resources \\_SB.COM1; evaluate \\_SB.GED0._EVT 3; \
+                resources \\_SB.GED0";
     let mut args = vec!["-b", cmds];
     args.extend(files.iter().map(String::as_str));
     let out = acpica("acpiexec", &args, &dir.0);
@@ -630,16 +646,21 @@ fn acpiexec_loads_tables_and_evaluates_objects() {
     assert!(bad.is_empty(), "acpiexec: {bad:?}\n{out}");
     assert!(out.contains("LNRO0005"), "{out}");
     assert_eq!(out.matches("Evaluation of").count(), 2, "{out}");
+    // The GED's event method runs (reads its event register) without error.
+    assert!(
+        out.contains("No object was returned from evaluation of \\_SB.GED0._EVT"),
+        "{out}"
+    );
     let fields: Vec<String> = out
         .lines()
         .filter_map(|l| l.split_once(" : "))
         .map(|(k, v)| format!("{}={}", k.trim(), v.trim()))
         .collect();
     let count = |f: &str| fields.iter().filter(|x| *x == f).count();
-    assert_eq!(count("Triggering=Edge"), 3, "{out}");
-    assert_eq!(count("Polarity=ActiveHigh"), 3, "{out}");
-    assert_eq!(count("Sharing=Exclusive"), 3, "{out}");
-    for irq in ["00000004", "00000005", "00000006"] {
+    assert_eq!(count("Triggering=Edge"), 4, "{out}");
+    assert_eq!(count("Polarity=ActiveHigh"), 4, "{out}");
+    assert_eq!(count("Sharing=Exclusive"), 4, "{out}");
+    for irq in ["00000003", "00000004", "00000005", "00000006"] {
         assert_eq!(count(&format!("Dword00={irq}")), 1, "{out}");
     }
     assert_eq!(count("Address=D0000000"), 1, "{out}");
