@@ -254,7 +254,7 @@ fn free_port() -> u16 {
 fn http_get(port: u16, path: &str) -> Option<(u16, String)> {
     let mut s = TcpStream::connect(("127.0.0.1", port)).ok()?;
     s.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
-    write!(s, "GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n").ok()?;
+    write!(s, "GET {path} HTTP/1.0\r\nHost: 127.0.0.1:{port}\r\n\r\n").ok()?;
     let mut buf = String::new();
     s.read_to_string(&mut buf).ok()?;
     let (head, body) = buf.split_once("\r\n\r\n")?;
@@ -302,6 +302,9 @@ fn a_real_prometheus_scrapes_the_daemon_and_answers_a_query() {
     let listen = format!("127.0.0.1:{api_port}");
     let d = busy_daemon(&dir, &["--listen", &listen]);
     let config = dir.join("prometheus.yml");
+    // A request without the token: refused, and counted.
+    let (status, _) = http_get(api_port, "/v1/vms").expect("daemon on TCP");
+    assert_eq!(status, 401);
     // The TCP API needs the daemon's bearer token.
     let token = d.token_file.clone().expect("the daemon's token file");
     std::fs::write(
@@ -367,6 +370,17 @@ fn a_real_prometheus_scrapes_the_daemon_and_answers_a_query() {
     assert_eq!(
         r.first().map(|s| s["metric"]["version"].clone()),
         Some(json!(env!("CARGO_PKG_VERSION")))
+    );
+    // The refused request is in the API request counts.
+    let r = query(
+        web_port,
+        r#"corral_api_requests_total{route="/v1/vms",method="GET",code="401"}"#,
+    )
+    .expect("401 query");
+    assert_eq!(
+        r.first().map(|s| s["value"][1].clone()),
+        Some(json!("1")),
+        "{r:?}"
     );
     // A histogram made it through: its +Inf bucket is queryable.
     let r = query(

@@ -160,10 +160,13 @@ pub async fn serve_on(
 }
 
 fn guarded(router: Router, g: guard::Guard) -> Router {
-    router.layer(axum::middleware::from_fn_with_state(
-        Arc::new(g),
-        guard::check,
-    ))
+    router
+        .layer(axum::middleware::from_fn_with_state(
+            Arc::new(g),
+            guard::check,
+        ))
+        // Outside the guard, so refused requests (401, 403) are counted too.
+        .layer(axum::middleware::from_fn(crate::metrics::http::track))
 }
 
 /// Samples the VMs' CPU time twice a second, so that the figure of a VM

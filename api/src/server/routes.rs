@@ -81,7 +81,6 @@ pub fn router(mgr: Arc<Manager>) -> Router {
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
-        .layer(axum::middleware::from_fn(metrics::http::track))
         .with_state(state)
 }
 
