@@ -132,22 +132,25 @@ fn img(name: &str) -> String {
 fn disk_limit_merges_unless_replace_and_vm_show_is_human() {
     let d = Daemon::start(&[]);
     let path = img("merge.img");
+    // Reads held to 100 ops/s all along (riops is kept by every change
+    // below): the 8 MiB job takes ~20 s, so the VM runs throughout (a
+    // stopped VM's disks cannot change).
     let body = json!({
         "name": "dl", "memory_mib": 32,
-        "cmdline": "probe.mode=blk probe.op=read probe.size=1M probe.bs=4K probe.qd=2",
-        "disks": [{"id": "data", "path": path, "limits": {"bps": 1048576}}]
+        "cmdline": "probe.mode=blk probe.op=read probe.size=8M probe.bs=4K probe.qd=2",
+        "disks": [{"id": "data", "path": path, "limits": {"riops": 100, "bps": 1048576}}]
     });
     let r = d.req("POST", "/v1/vms", Some(&body.to_string()));
     assert_eq!(r.status, 201, "{}", r.text());
     let limits = || d.req("GET", "/v1/vms/dl", None).json()["disks"][0]["limits"].clone();
 
-    // Merge: iops=500 keeps bps (it used to drop it).
+    // Merge: iops=500 keeps bps and riops (it used to drop them).
     let (code, out, err) = cli(&d, &["disk", "limit", "dl", "data", "iops=500"]);
     assert_eq!(code, Some(0), "{err}");
-    assert_eq!(limits(), json!({"bps": 1048576, "iops": 500}));
+    assert_eq!(limits(), json!({"bps": 1048576, "iops": 500, "riops": 100}));
     assert_eq!(
         out.trim(),
-        "dl/data: limits bps 1.0 MiB/s, iops 500/s",
+        "dl/data: limits bps 1.0 MiB/s, iops 500/s, riops 100/s",
         "{out}"
     );
     // KEY=none removes one limit and keeps the rest.
@@ -156,19 +159,36 @@ fn disk_limit_merges_unless_replace_and_vm_show_is_human() {
         &["disk", "limit", "dl", "data", "bps=none,burst_ops=20"],
     );
     assert_eq!(code, Some(0), "{err}");
-    assert_eq!(limits(), json!({"iops": 500, "burst_ops": 20}));
+    assert_eq!(
+        limits(),
+        json!({"iops": 500, "riops": 100, "burst_ops": 20})
+    );
     // --replace: only what is given.
-    let (code, out, err) = cli(&d, &["disk", "limit", "--replace", "dl", "data", "wbps=2M"]);
+    let (code, out, err) = cli(
+        &d,
+        &[
+            "disk",
+            "limit",
+            "--replace",
+            "dl",
+            "data",
+            "wbps=2M",
+            "riops=100",
+        ],
+    );
     assert_eq!(code, Some(0), "{err}");
-    assert_eq!(limits(), json!({"wbps": 2097152}));
+    assert_eq!(limits(), json!({"wbps": 2097152, "riops": 100}));
     assert!(
-        out.contains("wbps 2.0 MiB/s") && !out.contains("iops"),
+        out.contains("wbps 2.0 MiB/s") && !out.contains("iops 500") && !out.contains("burst"),
         "{out}"
     );
     // JSON output stays JSON.
-    let (_, out, _) = cli(&d, &["--json", "disk", "limit", "dl", "data", "riops=100"]);
+    let (_, out, _) = cli(&d, &["--json", "disk", "limit", "dl", "data", "rbps=1M"]);
     let j: serde_json::Value = serde_json::from_str(&out).expect("JSON");
-    assert_eq!(j["limits"], json!({"wbps": 2097152, "riops": 100}));
+    assert_eq!(
+        j["limits"],
+        json!({"wbps": 2097152, "riops": 100, "rbps": 1048576})
+    );
     // An unknown disk names the ones there are.
     let (code, _, err) = cli(&d, &["disk", "limit", "dl", "nope", "iops=1"]);
     assert_eq!(code, Some(1));
@@ -188,7 +208,7 @@ fn disk_limit_merges_unless_replace_and_vm_show_is_human() {
         "{out}"
     );
     assert!(
-        out.contains("limits:    wbps 2.0 MiB/s, riops 100/s"),
+        out.contains("limits:    rbps 1.0 MiB/s, wbps 2.0 MiB/s, riops 100/s"),
         "{out}"
     );
     let read = out
