@@ -102,6 +102,16 @@ impl Bucket {
         self.last.saturating_add(wait)
     }
 
+    /// Nanoseconds between the instant the bucket first admits `n` units
+    /// (its level reaches [`Self::threshold`]) and the instant it is full:
+    /// how late a caller may poll for such a request without the bucket
+    /// overflowing, i.e. without losing rate. Zero for a request that needs
+    /// the whole bucket (a bucket one request deep).
+    pub(crate) fn headroom_ns(&self, n: u64) -> Nanos {
+        let room = (self.cap() - self.threshold(n)).max(0) as u128;
+        u64::try_from(room / self.rate as u128).unwrap_or(u64::MAX)
+    }
+
     /// Takes `n` units: one-time tokens first, then the refilling ones (which
     /// may go negative).
     pub(crate) fn charge(&mut self, n: u64) {
@@ -222,6 +232,27 @@ impl Limiter {
             }
         }
         t
+    }
+
+    /// How long after the instant `req` becomes admissible on the buckets in
+    /// `mask` it may still be admitted without a binding bucket (one whose
+    /// ready instant is that instant) overflowing meanwhile: the headroom of
+    /// the tightest binding bucket. `Nanos::MAX` with no bucket.
+    pub(crate) fn slack_mask(&mut self, mask: u8, req: &Request, now: Nanos) -> Nanos {
+        let until = self.ready_at_mask(mask, req, now);
+        let mut slack = Nanos::MAX;
+        let mut m = mask;
+        while m != 0 {
+            let i = m.trailing_zeros() as usize;
+            m &= m - 1;
+            if let Some(b) = &mut self.buckets[i] {
+                let n = need(i, req);
+                if b.ready_at(n, now) == until {
+                    slack = slack.min(b.headroom_ns(n));
+                }
+            }
+        }
+        slack
     }
 
     #[cfg(test)]

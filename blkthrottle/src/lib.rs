@@ -86,6 +86,24 @@
 //! `A((t+T)⁺) ≥ min(0, b − M)`. Subtracting gives the
 //! bound. The property tests check it on random streams.
 //!
+//! ## Lateness, and why a bucket one request deep needs an on-time caller
+//!
+//! No admission rule can recover a late poll's loss on a bucket exactly one
+//! request deep (`b = n = M`) without breaking the window bound: take two
+//! admissions `i < j`; the bound over the window `[aᵢ, aⱼ]` gives
+//! `(j − i + 1)·n ≤ r·(aⱼ − aᵢ + 1 ns) + n`, so `aⱼ − aᵢ ≥ (j − i)·n/r − 1 ns`:
+//! every admission is at least `n/r` after the previous *actual* one, and a
+//! poll late by `δ` pushes every later admission back by `δ`. (Admitting "at
+//! the due instant in virtual time" would put two admissions closer than
+//! `n/r` in real time and break the bound by `r·δ`.) Where the bucket has
+//! room beyond the request, lateness up to the bucket's headroom
+//! `(b − n)/r` costs nothing (the level keeps rising); only beyond it do
+//! tokens overflow. [`Throttle::wait_slack`] tells the caller that headroom
+//! for a waiting request, and the device acts on it: when it is shorter
+//! than its timer's lateness it arms the timer early and waits the last
+//! stretch on the clock, so the poll lands on the due nanosecond and the
+//! rate is the limit's.
+//!
 //! # Groups
 //!
 //! See [`ThrottleGroup`]: shared buckets; start-time fair queuing by dominant

@@ -192,6 +192,18 @@ impl Throttle {
         self.admit(mask, req, now)
     }
 
+    /// For a request that waits on the disk's own limits: how late after
+    /// its `until` the caller may poll without losing rate (the binding
+    /// bucket would overflow after that). Large when the bucket has room
+    /// beyond the request, zero for a bucket exactly one request deep — the
+    /// case where a caller whose timer fires late (lateness δ) loses
+    /// `δ / (n / r)` of the rate and must wake early and wait on the clock
+    /// instead. See the crate docs, "Lateness".
+    pub fn wait_slack(&mut self, req: Request, now: Nanos) -> Nanos {
+        let mask = self.limiter.mask(&req);
+        self.limiter.slack_mask(mask, &req, now)
+    }
+
     fn admit(&mut self, mask: u8, req: Request, now: Nanos) -> Decision {
         self.limiter.charge_mask(mask, &req, now);
         self.stats.admitted(

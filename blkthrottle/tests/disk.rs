@@ -168,3 +168,58 @@ fn cancel_frees_the_group() {
     a.cancel();
     assert_eq!(b.poll(Request::write(100), 0), Decision::Admit);
 }
+
+/// Admissions of a backlogged stream of `n`-byte reads over `horizon` ns when
+/// every wait is polled `late` ns after the instant the throttle gave.
+fn admitted_polling_late(limits: &str, n: u64, late: u64, horizon: u64) -> u64 {
+    let mut t = Throttle::new(&Limits::parse(limits).unwrap(), 0).unwrap();
+    let (mut now, mut count) = (0u64, 0u64);
+    while now <= horizon {
+        match t.poll(Request::read(n), now) {
+            Decision::Admit => count += 1,
+            Decision::Wait { until, .. } => now = until + late,
+        }
+    }
+    count
+}
+
+#[test]
+fn wait_slack_is_the_lateness_that_costs_nothing() {
+    const K: u64 = 128 << 10;
+    // A bucket one request deep: no slack, and any lateness costs rate.
+    let mut t = Throttle::new(&Limits::parse("bps=10M,burst_bytes=128K").unwrap(), 0).unwrap();
+    assert_eq!(t.poll(Request::read(K), 0), Decision::Admit);
+    assert!(matches!(t.poll(Request::read(K), 0), Decision::Wait { .. }));
+    assert_eq!(t.wait_slack(Request::read(K), 0), 0);
+    let exact = admitted_polling_late("bps=10M,burst_bytes=128K", K, 0, 10 * S);
+    let late = admitted_polling_late("bps=10M,burst_bytes=128K", K, 100_000, 10 * S);
+    assert_eq!(
+        exact,
+        1 + 10 * (10 << 20) / K,
+        "on time: the rate exactly (10M = 10 MiB/s)"
+    );
+    assert!(
+        late < exact,
+        "100 µs late on a one-request bucket loses: {late} vs {exact}"
+    );
+
+    // Four requests deep: 3 requests of headroom, 3 · 128 KiB / 10 MiB/s.
+    let mut t = Throttle::new(&Limits::parse("bps=10M,burst_bytes=512K").unwrap(), 0).unwrap();
+    for _ in 0..4 {
+        assert_eq!(t.poll(Request::read(K), 0), Decision::Admit);
+    }
+    let slack = t.wait_slack(Request::read(K), 0);
+    let headroom = 3 * K * S / (10 << 20);
+    assert!(slack.abs_diff(headroom) <= 1, "{slack} vs {headroom}");
+    // Polling late by less than the slack admits as many (but for the last
+    // poll or two, which the lateness pushes past the horizon)...
+    let on_time = admitted_polling_late("bps=10M,burst_bytes=512K", K, 0, 10 * S);
+    let within = admitted_polling_late("bps=10M,burst_bytes=512K", K, slack / 2, 10 * S);
+    assert!(on_time - within <= 2, "{within} vs {on_time}");
+    // ...and late by more than the slack loses.
+    let beyond = admitted_polling_late("bps=10M,burst_bytes=512K", K, slack * 2, 10 * S);
+    assert!(beyond + 10 < on_time, "{beyond} vs {on_time}");
+    // Unlimited: no bucket, no limit on lateness.
+    let mut t = Throttle::new(&Limits::default(), 0).unwrap();
+    assert_eq!(t.wait_slack(Request::read(K), 0), u64::MAX);
+}

@@ -9,6 +9,7 @@ impl MutEventSubscriber for Block {
         match events.data() {
             TIMER_TOKEN => {
                 self.timer.drain();
+                self.timer.fired(super::gate::monotonic_ns());
                 self.process_queue();
             }
             0 => {

@@ -29,6 +29,12 @@ pub trait RequestGate: Send {
     fn note_enqueued(&mut self) {}
     /// A waiting request was admitted or dropped.
     fn note_dequeued(&mut self) {}
+    /// For a request told to wait: how late after its `until` it may be
+    /// polled without losing rate (see
+    /// [`corral_blkthrottle::Throttle::wait_slack`]). Unlimited by default.
+    fn wait_slack(&mut self, _req: GateRequest, _now: Nanos) -> Nanos {
+        Nanos::MAX
+    }
     /// A request completed `ns` after the device took it from the ring.
     fn record_latency(&mut self, _kind: OpKind, _ns: Nanos) {}
     /// For downcasting to the concrete gate (e.g. to change its limits).
@@ -51,6 +57,9 @@ impl RequestGate for corral_blkthrottle::Throttle {
     fn record_latency(&mut self, kind: OpKind, ns: Nanos) {
         corral_blkthrottle::Throttle::record_latency(self, kind, ns)
     }
+    fn wait_slack(&mut self, req: GateRequest, now: Nanos) -> Nanos {
+        corral_blkthrottle::Throttle::wait_slack(self, req, now)
+    }
     fn as_any_mut(&mut self) -> &mut dyn Any {
         self
     }
@@ -72,7 +81,21 @@ pub fn monotonic_ns() -> Nanos {
 #[derive(Debug)]
 pub struct GateTimer {
     fd: OwnedFd,
+    /// The instant it was last armed for (0 = not armed since it fired).
+    armed_for: std::cell::Cell<Nanos>,
+    /// How late it fires, a decaying maximum of what was seen (ns).
+    late: std::cell::Cell<Nanos>,
 }
+
+/// Waits whose throttle slack ([`RequestGate::wait_slack`]) is shorter than
+/// this are *tight*: a late poll would lose rate, so the device wakes early
+/// and waits the last stretch on the clock.
+pub const TIGHT_SLACK_NS: Nanos = 2_000_000;
+/// Bounds of how early a tight wait's timer is armed (the timer's measured
+/// lateness plus a margin, within these).
+pub const EARLY_MIN_NS: Nanos = 50_000;
+/// See [`EARLY_MIN_NS`]: at most this much is spent on the clock per wait.
+pub const EARLY_MAX_NS: Nanos = 1_000_000;
 
 impl GateTimer {
     /// A disarmed timer.
@@ -89,7 +112,29 @@ impl GateTimer {
         }
         // SAFETY: fd is a new descriptor that nothing else owns.
         let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-        Ok(Self { fd })
+        Ok(Self {
+            fd,
+            armed_for: std::cell::Cell::new(0),
+            late: std::cell::Cell::new(EARLY_MIN_NS),
+        })
+    }
+
+    /// Notes that the timer fired and was read at `now`: updates the
+    /// lateness estimate (a maximum that decays by 1/8 per expiry, so one
+    /// slow wake-up widens the margin for a while, not for ever).
+    pub fn fired(&self, now: Nanos) {
+        let at = self.armed_for.replace(0);
+        if at == 0 {
+            return;
+        }
+        let late = now.saturating_sub(at).min(EARLY_MAX_NS);
+        let decayed = self.late.get() - self.late.get() / 8;
+        self.late.set(decayed.max(late));
+    }
+
+    /// How early to arm for a tight wait: the lateness seen, plus a margin.
+    pub fn early_ns(&self) -> Nanos {
+        (self.late.get() + self.late.get() / 2).clamp(EARLY_MIN_NS, EARLY_MAX_NS)
     }
 
     fn set(&self, at: Nanos, flags: libc::c_int) -> io::Result<()> {
@@ -116,6 +161,7 @@ impl GateTimer {
 
     /// Fires at `at` (`CLOCK_MONOTONIC` ns); a time in the past fires at once.
     pub fn arm_at(&self, at: Nanos) -> io::Result<()> {
+        self.armed_for.set(at.max(1));
         // it_value 0 would disarm: fire "now" instead.
         self.set(at.max(1), libc::TFD_TIMER_ABSTIME)
     }

@@ -7,12 +7,15 @@ use std::sync::atomic::Ordering;
 use virtio_queue::{QueueOwnedT, QueueT};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 
-use super::gate::{Decision, GateRequest, GateTimer, Nanos, RequestGate, monotonic_ns};
+use super::gate::{
+    Decision, GateRequest, GateTimer, Nanos, RequestGate, TIGHT_SLACK_NS, monotonic_ns,
+};
 use super::request::{self, Request, RequestType};
 use super::stats::add;
 use super::{Active, BUDGET, Block, Engine, Waiting};
 use crate::guest_log::GuestErrorKind;
 use crate::virtio::int;
+use corral_blkthrottle::WaitCause;
 
 impl Block {
     /// Serves the request queue: the waiting request first, then the
@@ -35,7 +38,7 @@ impl Block {
         // The request the gate held back, if any.
         if let Some(w) = act.waiting.take() {
             let g = self.gate.as_mut();
-            match admit(g, &w.req, now) {
+            match admit(g, &self.timer, &w.req, now) {
                 Some(until) => {
                     act.waiting = Some(w);
                     arm(&self.timer, until);
@@ -92,7 +95,7 @@ impl Block {
                     }
                 };
                 let taken_at = now;
-                if let Some(until) = admit(self.gate.as_mut(), &req, now) {
+                if let Some(until) = admit(self.gate.as_mut(), &self.timer, &req, now) {
                     add(&self.engine.stats.throttled, 1);
                     if let Some(g) = self.gate.as_mut() {
                         g.note_enqueued();
@@ -220,18 +223,48 @@ pub(super) fn avail_no_interrupt(mem: &GuestMemoryMmap, avail_ring: u64) -> bool
         .unwrap_or(false)
 }
 
-/// Asks the gate; `Some(until)` if the request must wait.
-fn admit(gate: Option<&mut Box<dyn RequestGate>>, req: &Request, now: Nanos) -> Option<Nanos> {
+/// Asks the gate; `Some(at)` if the request must wait, `at` being when to
+/// arm the timer. For a *tight* wait (the throttle's slack is shorter than
+/// [`TIGHT_SLACK_NS`]: a bucket about one request deep, where a late poll
+/// loses rate that no admission rule may give back — see the
+/// `corral-blkthrottle` docs, "Lateness") the timer is armed early by its
+/// measured lateness, and the last stretch (at most
+/// [`EARLY_MAX_NS`](super::gate::EARLY_MAX_NS)) is
+/// waited on the clock, so the request goes on its due nanosecond.
+fn admit(
+    gate: Option<&mut Box<dyn RequestGate>>,
+    timer: &GateTimer,
+    req: &Request,
+    now: Nanos,
+) -> Option<Nanos> {
     let g = gate?;
     let gr = match req.kind {
         RequestType::In => GateRequest::read(req.data_len),
         RequestType::Out => GateRequest::write(req.data_len),
         _ => GateRequest::other(),
     };
-    match g.poll(gr, now) {
-        Decision::Admit => None,
-        Decision::Wait { until, .. } => Some(until),
+    let mut now = now;
+    // At most one wait on the clock: the throttle's instants are exact.
+    for _ in 0..2 {
+        let until = match g.poll(gr, now) {
+            Decision::Admit => return None,
+            Decision::Wait { until, cause } => {
+                if cause != WaitCause::Disk || g.wait_slack(gr, now) >= TIGHT_SLACK_NS {
+                    return Some(until);
+                }
+                until
+            }
+        };
+        let early = timer.early_ns();
+        if until > now.saturating_add(early) {
+            return Some(until - early);
+        }
+        while monotonic_ns() < until {
+            std::hint::spin_loop();
+        }
+        now = monotonic_ns();
     }
+    Some(now)
 }
 
 fn arm(timer: &GateTimer, until: Nanos) {
