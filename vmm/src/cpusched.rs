@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use corral_devices::bus::lock;
+use crate::util::lock;
 use corral_scheduler::policy::VmUsage;
 use corral_scheduler::{Gate, Scheduler, VmId};
 
@@ -265,7 +265,7 @@ impl CpuScheduler {
     }
 
     fn run(self: Arc<Self>) {
-        crate::devthread::raise_priority();
+        crate::util::raise_priority();
         // The scheduler thread's own filter (inherits the runtime's). It
         // belongs to no VM: a violation is reported and the syscall fails.
         if let Err(e) = crate::seccomp::install(crate::seccomp::ThreadKind::Scheduler) {

@@ -4,35 +4,18 @@
 //! (live limit changes) from the API.
 
 use std::os::fd::RawFd;
-use std::sync::mpsc::{Receiver, Sender};
+use std::sync::mpsc::Receiver;
 use std::sync::{Arc, Mutex};
 
 use corral_blkthrottle::{Limits, Throttle, ThrottleGroup};
-use corral_devices::virtio::blk::gate::monotonic_ns;
-
-use crate::vm::VmError;
-
-/// Messages to a VM's device thread.
-pub(crate) enum Control {
-    /// Replace a disk's limits (keeping its queue and earned tokens).
-    SetLimits {
-        disk: usize,
-        limits: Limits,
-        reply: Sender<Result<(), VmError>>,
-    },
-    /// Move a disk into a throttle group (or out of any).
-    SetGroup {
-        disk: usize,
-        group: Option<(ThrottleGroup, u32)>,
-        reply: Sender<Result<(), VmError>>,
-    },
-}
-
 use corral_devices::SerialDevice;
-use corral_devices::bus::lock;
+use corral_devices::virtio::blk::Block;
 use event_manager::{EventManager, EventOps, EventSet, Events, MutEventSubscriber, SubscriberOps};
 
-use crate::vm::Shared;
+use crate::control::Control;
+use crate::shared::Shared;
+use crate::util::{lock, monotonic_ns, raise_priority};
+use crate::vm::VmError;
 
 struct Stdin {
     serial: Arc<Mutex<SerialDevice>>,
@@ -61,6 +44,25 @@ impl MutEventSubscriber for Stdin {
     }
 }
 
+/// A disk's queue notifications and throttle timers, handled inside the
+/// disk's `disk = NAME` log span (the device logs without knowing its name).
+struct DiskEvents {
+    span: tracing::Span,
+    block: Arc<Mutex<Block>>,
+}
+
+impl MutEventSubscriber for DiskEvents {
+    fn process(&mut self, events: Events, ops: &mut EventOps) {
+        let _span = self.span.enter();
+        lock(&self.block).process(events, ops);
+    }
+
+    fn init(&mut self, ops: &mut EventOps) {
+        let _span = self.span.enter();
+        lock(&self.block).init(ops);
+    }
+}
+
 struct Wake {
     shared: Arc<Shared>,
     fd: RawFd,
@@ -74,6 +76,7 @@ impl Wake {
             .disks
             .get(disk)
             .ok_or_else(|| VmError::NoSuchDisk(disk.to_string()))?;
+        let _span = tracing::info_span!("disk", disk = %name).entered();
         let mut b = lock(block);
         let now = monotonic_ns();
         let err = |msg: String| VmError::Disk {
@@ -107,6 +110,7 @@ impl Wake {
             .disks
             .get(disk)
             .ok_or_else(|| VmError::NoSuchDisk(disk.to_string()))?;
+        let _span = tracing::info_span!("disk", disk = %name).entered();
         let err = |msg: String| VmError::Disk {
             name: name.clone(),
             msg,
@@ -184,9 +188,11 @@ pub(crate) fn run(
         fd,
         control,
     })));
-    for (_, _, block) in &shared.disks {
-        let sub: Arc<Mutex<dyn MutEventSubscriber + Send>> = block.clone();
-        em.add_subscriber(sub);
+    for (name, _, block) in &shared.disks {
+        em.add_subscriber(Arc::new(Mutex::new(DiskEvents {
+            span: tracing::info_span!("disk", disk = %name),
+            block: block.clone(),
+        })));
     }
     if stdin {
         em.add_subscriber(Arc::new(Mutex::new(Stdin { serial })));
@@ -224,14 +230,5 @@ pub(crate) fn run(
             tracing::error!("device thread: event loop failed: {e:?}");
             break;
         }
-    }
-}
-
-/// Gives the calling thread nice -10 (best effort).
-pub(crate) fn raise_priority() {
-    // SAFETY: setpriority on our own thread id; failure is harmless.
-    unsafe {
-        let tid = libc::gettid();
-        let _ = libc::setpriority(libc::PRIO_PROCESS, tid as libc::id_t, -10);
     }
 }

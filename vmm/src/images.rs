@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Mutex;
 
-use corral_devices::bus::lock;
+use crate::util::lock;
 
 use crate::hostfile::{HostFile, HostFileError, HostPolicy, Role};
 

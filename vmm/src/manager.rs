@@ -24,8 +24,8 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime};
 
+use crate::util::lock;
 use corral_devices::ConsoleLog;
-use corral_devices::bus::lock;
 use corral_scheduler::model::ErrorKind as ModelErrorKind;
 use corral_scheduler::{
     Capacity, ClassSpec, ModelError, PolicyConfig, Scheduler, Stats, VmId, VmSpec,
@@ -33,9 +33,10 @@ use corral_scheduler::{
 
 use crate::cgroup::CgroupBackend;
 use crate::cpusched::CpuScheduler;
+use crate::handle::VmHandle;
 use crate::hostfile::{HostFileError, HostImage, HostPolicy};
 use crate::images::ImageBook;
-use crate::vm::{ExitReason, KernelSource, VmConfig, VmError, VmHandle};
+use crate::vm::{ExitReason, KernelSource, VmConfig, VmError};
 use corral_blkthrottle::ThrottleGroup;
 use corral_scheduler::Gate;
 
@@ -659,7 +660,7 @@ fn vm_threads(h: &VmHandle) -> Vec<libc::pid_t> {
 /// Creates a class's I/O group or changes its limits live (tokens earned
 /// and waiting requests are kept).
 fn set_class_group(st: &mut State, class: &str, io: &IoLimits) -> Result<(), ManagerError> {
-    let now = corral_devices::virtio::blk::gate::monotonic_ns();
+    let now = crate::util::monotonic_ns();
     let limits = io.to_blk();
     match st.class_groups.get(class) {
         Some(g) => g
@@ -1389,7 +1390,7 @@ impl Manager {
         if self.cfg.cpu_backend == CpuBackend::Gate {
             cfg.sched_gate = Some(gate.clone());
         }
-        let handle = crate::vm::start(&cfg)?;
+        let handle = crate::builder::start(&cfg)?;
         match self.cfg.cpu_backend {
             CpuBackend::Gate => self.cpu.attach(
                 id,

@@ -1,60 +1,15 @@
-//! vCPU threads: the `KVM_RUN` loop, exit dispatch, and kicking a vCPU out
-//! of the guest with a signal plus `immediate_exit`.
+//! vCPU threads: the `KVM_RUN` loop and exit dispatch. The kick that gets a
+//! vCPU out of the guest (a signal plus `immediate_exit`) is in
+//! [`crate::shared`].
 
-use std::cell::Cell;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use corral_scheduler::gate::WaitOutcome;
 use kvm_ioctls::{VcpuExit, VcpuFd};
 
-use crate::vm::{ExitReason, Shared};
-
-/// The real-time signal used to kick vCPU threads out of `KVM_RUN`.
-pub fn kick_signal() -> libc::c_int {
-    libc::SIGRTMIN() + 1
-}
-
-thread_local! {
-    /// This thread's `kvm_run` area, for the kick signal handler.
-    static KVM_RUN: Cell<*mut kvm_bindings::kvm_run> = const { Cell::new(std::ptr::null_mut()) };
-}
-
-extern "C" fn on_kick(_: libc::c_int) {
-    // Only touches a const-initialised thread-local (no allocation, no lock):
-    // async-signal-safe.
-    let p = KVM_RUN.with(|c| c.get());
-    if !p.is_null() {
-        // SAFETY: `p` is this thread's own mapped `kvm_run`, valid for as long
-        // as the VcpuFd lives; the vCPU loop clears the pointer before the
-        // VcpuFd is dropped. A volatile byte write cannot tear.
-        unsafe { std::ptr::addr_of_mut!((*p).immediate_exit).write_volatile(1) };
-    }
-}
-
-/// Installs the kick signal handler (idempotent, process-wide).
-pub fn install_kick_handler() -> std::io::Result<()> {
-    static ONCE: std::sync::OnceLock<std::io::Result<()>> = std::sync::OnceLock::new();
-    let r = ONCE.get_or_init(|| {
-        // SAFETY: a zeroed sigaction is a valid starting point; we set a
-        // handler that only does async-signal-safe work, and no SA_RESTART so
-        // that KVM_RUN returns EINTR.
-        unsafe {
-            let mut sa: libc::sigaction = std::mem::zeroed();
-            sa.sa_sigaction = on_kick as *const () as usize;
-            sa.sa_flags = 0;
-            libc::sigemptyset(&mut sa.sa_mask);
-            if libc::sigaction(kick_signal(), &sa, std::ptr::null_mut()) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-        }
-        Ok(())
-    });
-    match r {
-        Ok(()) => Ok(()),
-        Err(e) => Err(std::io::Error::new(e.kind(), e.to_string())),
-    }
-}
+use crate::shared::{KickTarget, Shared};
+use crate::vm::ExitReason;
 
 /// Exit counters of one vCPU, by reason.
 #[derive(Debug, Default)]
@@ -121,18 +76,11 @@ fn io_size(run: *const kvm_bindings::kvm_run) -> usize {
 pub(crate) fn run(mut vcpu: VcpuFd, index: u8, shared: Arc<Shared>) {
     let stats = shared.vcpu_stats[index as usize].clone();
     let run_ptr: *mut kvm_bindings::kvm_run = vcpu.get_kvm_run();
-    KVM_RUN.with(|c| c.set(run_ptr));
-    // Clears the kick handler's pointer when this function ends, also by
-    // a panic: the guard is a local, dropped before the `vcpu` parameter
-    // (which unmaps `kvm_run`). A kick that lands after that (the VM's
-    // stop kicks every vCPU thread, this one included) must find null.
-    struct ClearKvmRun;
-    impl Drop for ClearKvmRun {
-        fn drop(&mut self) {
-            KVM_RUN.with(|c| c.set(std::ptr::null_mut()));
-        }
-    }
-    let _clear = ClearKvmRun;
+    // Cleared when this function ends, also by a panic: the guard is a
+    // local, dropped before the `vcpu` parameter (which unmaps `kvm_run`).
+    // A kick that lands after that (the VM's stop kicks every vCPU thread,
+    // this one included) must find no target.
+    let _clear = KickTarget::set(run_ptr);
     let fatal = |vcpu: &VcpuFd, what: String| {
         let regs = regs_summary(vcpu);
         tracing::error!(vcpu = index, "{what}; {regs}");
@@ -257,7 +205,7 @@ mod fault_injection {
     use std::time::{Duration, Instant};
 
     use crate::seccomp::fault;
-    use crate::vm::Shared;
+    use crate::shared::Shared;
 
     pub(super) struct Vcpu {
         panic: bool,

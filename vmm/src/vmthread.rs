@@ -1,6 +1,7 @@
 //! Starting one of a VM's threads (vCPU or device): it installs the seccomp
 //! filter of its kind first, records its faults in the VM's slot, and a
-//! panic in it fails the VM, not the process.
+//! panic in it fails the VM, not the process. It runs inside the VM's
+//! `vm = NAME` log span.
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
@@ -8,7 +9,8 @@ use std::sync::mpsc::Sender;
 use std::thread::JoinHandle;
 
 use crate::seccomp::{self, ThreadKind, VmThreadGuard};
-use crate::vm::{ExitReason, Shared, ThreadFault};
+use crate::shared::Shared;
+use crate::vm::{ExitReason, ThreadFault};
 
 /// Spawns thread `name`, the `index`-th of `kind` in the VM. It installs
 /// its filter, then sends its kernel tid on `tid` (fails closed: the VM
@@ -26,6 +28,8 @@ pub(crate) fn spawn(
     std::thread::Builder::new()
         .name(name.clone())
         .spawn(move || {
+            // Every log line of the thread says which VM it is about.
+            let _span = tracing::info_span!("vm", vm = %shared.name).entered();
             // SAFETY: `shared` (and so its `faults`) lives until the end of
             // this closure, after the guard is dropped.
             let guard = unsafe { VmThreadGuard::enter(shared.faults(), kind, index) };

@@ -1,0 +1,62 @@
+//! Small helpers used by several of the VMM's modules.
+
+use std::sync::{Mutex, MutexGuard};
+
+/// Locks `m`, recovering the data of a poisoned mutex: a thread of a VM that
+/// panicked while holding a device's lock fails that VM (see
+/// [`crate::vmthread`]), and the API must still be able to read it.
+pub fn lock<T: ?Sized>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// `CLOCK_MONOTONIC` in nanoseconds: the clock of the disk throttles (the
+/// same clock the devices' throttle seam reads).
+pub fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes into the timespec we own.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    (ts.tv_sec as u64)
+        .saturating_mul(1_000_000_000)
+        .saturating_add(ts.tv_nsec as u64)
+}
+
+/// Gives the calling thread nice -10 (best effort; needs privileges). Used
+/// by the threads that do little CPU work but must wake on time: a VM's
+/// device thread and the CPU scheduler's thread.
+pub fn raise_priority() {
+    // SAFETY: setpriority on our own thread id; failure is harmless.
+    unsafe {
+        let tid = libc::gettid();
+        let _ = libc::setpriority(libc::PRIO_PROCESS, tid as libc::id_t, -10);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lock_recovers_a_poisoned_mutex() {
+        let m = std::sync::Arc::new(Mutex::new(1));
+        let m2 = m.clone();
+        let _ = std::thread::spawn(move || {
+            let _g = m2.lock().unwrap();
+            panic!("poison");
+        })
+        .join();
+        assert!(m.is_poisoned());
+        *lock(&m) += 1;
+        assert_eq!(*lock(&m), 2);
+    }
+
+    #[test]
+    fn monotonic_ns_matches_the_devices_clock() {
+        let a = corral_devices::virtio::blk::gate::monotonic_ns();
+        let b = monotonic_ns();
+        let c = corral_devices::virtio::blk::gate::monotonic_ns();
+        assert!(a <= b && b <= c, "{a} {b} {c}");
+    }
+}
