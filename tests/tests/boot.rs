@@ -171,6 +171,23 @@ fn triple_fault_is_reported_not_a_panic() {
     assert!(!err.contains("panicked"), "{err}");
 }
 
+/// Issue 14 item 8: the vCPU thread's log line of the fatal exit names its
+/// VM (the thread runs in the VM's `vm` span).
+#[test]
+fn vcpu_log_lines_name_their_vm() {
+    let p = std::env::temp_dir().join(format!("corral-crash-span-{}.elf", std::process::id()));
+    std::fs::write(&p, crashing_elf()).unwrap();
+    let o = run_corral(&["run", "--kernel", p.to_str().unwrap()], T);
+    let (out, err) = text(&o);
+    std::fs::remove_file(&p).ok();
+    assert_eq!(o.status.code(), Some(1), "{out}{err}");
+    let line = err
+        .lines()
+        .find(|l| l.contains("rip=0x10") && l.contains("ERROR"))
+        .unwrap_or_else(|| panic!("no vCPU error line: {err}"));
+    assert!(line.contains("vm{vm=run}"), "{line}");
+}
+
 #[test]
 fn stop_on_request_with_sigterm() {
     let mut r = Running::start(&[

@@ -76,7 +76,7 @@ impl Wake {
             .disks
             .get(disk)
             .ok_or_else(|| VmError::NoSuchDisk(disk.to_string()))?;
-        let _span = tracing::info_span!("disk", disk = %name).entered();
+        let _span = tracing::error_span!("disk", disk = %name).entered();
         let mut b = lock(block);
         let now = monotonic_ns();
         let err = |msg: String| VmError::Disk {
@@ -110,7 +110,7 @@ impl Wake {
             .disks
             .get(disk)
             .ok_or_else(|| VmError::NoSuchDisk(disk.to_string()))?;
-        let _span = tracing::info_span!("disk", disk = %name).entered();
+        let _span = tracing::error_span!("disk", disk = %name).entered();
         let err = |msg: String| VmError::Disk {
             name: name.clone(),
             msg,
@@ -190,7 +190,7 @@ pub(crate) fn run(
     })));
     for (name, _, block) in &shared.disks {
         em.add_subscriber(Arc::new(Mutex::new(DiskEvents {
-            span: tracing::info_span!("disk", disk = %name),
+            span: tracing::error_span!("disk", disk = %name),
             block: block.clone(),
         })));
     }

@@ -29,7 +29,7 @@ pub(crate) fn spawn(
         .name(name.clone())
         .spawn(move || {
             // Every log line of the thread says which VM it is about.
-            let _span = tracing::info_span!("vm", vm = %shared.name).entered();
+            let _span = tracing::error_span!("vm", vm = %shared.name).entered();
             // SAFETY: `shared` (and so its `faults`) lives until the end of
             // this closure, after the guard is dropped.
             let guard = unsafe { VmThreadGuard::enter(shared.faults(), kind, index) };
