@@ -310,7 +310,7 @@ impl VmCreate {
                 .map(|d| DiskConfig {
                     id: d.id.unwrap_or_default(),
                     path: PathBuf::from(d.path),
-                    readonly: d.readonly,
+                    read_only: d.readonly,
                     direct: d.direct,
                     limits: d.limits.into(),
                 })
@@ -373,7 +373,7 @@ impl From<DiskInfo> for Disk {
         Disk {
             id: c.id,
             path: c.path.display().to_string(),
-            readonly: c.readonly,
+            readonly: c.read_only,
             direct: c.direct,
             limits: c.limits.into(),
             group: d.group,

@@ -201,7 +201,7 @@ impl Vm {
                 .map(|(p, l)| DiskConfig {
                     id: "disk0".into(),
                     path: p.clone(),
-                    readonly: job.disk_readonly,
+                    read_only: job.disk_readonly,
                     direct: false,
                     limits: *l,
                 })

@@ -296,7 +296,7 @@ fn gate_reservation_holds_beside_an_outside_busy_loop() {
 /// The add/attach race on a real VM. Class "capped" (10 %) already has a
 /// spinning 2-vCPU VM that keeps its cap budget spent, so the policy parks
 /// every VM of the class, a new one too. The new VM's vCPUs run before it
-/// is attached (as between `vm::start` and `attach`); it is attached while
+/// is attached (as between `builder::start` and `attach`); it is attached while
 /// the policy's decision for it is "parked". Before the fix that park was
 /// never applied (the policy emits changes only, and the VM then kept the
 /// budget spent): it ran at ~100 % for good, the class far above its cap.

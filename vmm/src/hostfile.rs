@@ -474,7 +474,7 @@ impl HostFile {
     }
 }
 
-/// A file given by path (opened by [`crate::vm::start`] with
+/// A file given by path (opened by [`crate::builder::start`] with
 /// [`HostPolicy::unrestricted`]) or already opened under a policy.
 #[derive(Debug, Clone)]
 pub enum HostImage {

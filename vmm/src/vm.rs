@@ -67,7 +67,7 @@ pub struct DiskConfig {
     /// A shared limit (per class or named), if any, and this disk's weight in it.
     pub group: Option<(ThrottleGroup, u32)>,
     /// The backing file, already opened (and locked) under a host-path
-    /// policy; `None`: [`crate::vm::start`] opens `spec.path` itself.
+    /// policy; `None`: [`crate::builder::start`] opens `spec.path` itself.
     pub file: Option<HostFile>,
 }
 

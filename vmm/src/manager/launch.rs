@@ -1,0 +1,131 @@
+//! Starting a VM for the manager: its files opened under the host-path
+//! policy, its [`crate::vm::VmConfig`] built from the request (disks in
+//! their class's I/O group), [`crate::builder::start`], and its placement on
+//! the CPU backend (the gate scheduler or a cgroup).
+
+use super::*;
+
+impl Manager {
+    pub(super) fn launch(
+        &self,
+        id: VmId,
+        name: &str,
+        req: &VmRequest,
+        class_group: Option<ThrottleGroup>,
+        files: &crate::images::VmFiles,
+    ) -> Result<(VmHandle, String), ManagerError> {
+        let vcpus = u8::try_from(req.vcpus)
+            .map_err(|_| ManagerError::Invalid(format!("too many vCPUs: {}", req.vcpus)))?;
+        if req.kernel.is_none() && self.cfg.builtin_kernel.is_none() {
+            return Err(ManagerError::Invalid(
+                "no kernel given and this daemon has no built-in guest".into(),
+            ));
+        }
+        self.start_opened(id, name, req, class_group, files, vcpus)
+    }
+
+    /// Opens a VM's kernel, initrd and disks under the host-path policy.
+    pub(super) fn open_files(
+        &self,
+        req: &VmRequest,
+    ) -> Result<crate::images::VmFiles, ManagerError> {
+        let disks: Vec<_> = req
+            .disks
+            .iter()
+            .map(|d| (d.path.as_path(), d.read_only, d.direct))
+            .collect();
+        Ok(self.images.open_vm(
+            &self.cfg.host_files,
+            req.kernel.as_deref(),
+            req.initrd.as_deref(),
+            &disks,
+        )?)
+    }
+
+    pub(super) fn start_opened(
+        &self,
+        id: VmId,
+        name: &str,
+        req: &VmRequest,
+        class_group: Option<ThrottleGroup>,
+        files: &crate::images::VmFiles,
+        vcpus: u8,
+    ) -> Result<(VmHandle, String), ManagerError> {
+        let (kernel, default_cmdline) = match (&files.kernel, &self.cfg.builtin_kernel) {
+            (Some(f), _) => (KernelSource::File(f.clone()), DEFAULT_LINUX_CMDLINE),
+            (None, Some(b)) => (KernelSource::Bytes(b.clone()), ""),
+            (None, None) => {
+                return Err(ManagerError::Invalid(
+                    "no kernel given and this daemon has no built-in guest".into(),
+                ));
+            }
+        };
+        let mut cfg = VmConfig::new(name, kernel);
+        cfg.initrd = files.initrd.clone().map(HostImage::File);
+        cfg.cmdline = req
+            .cmdline
+            .clone()
+            .unwrap_or_else(|| default_cmdline.to_string());
+        cfg.vcpus = vcpus;
+        cfg.memory_mib = req.memory_mib;
+        cfg.console_log_bytes = self.cfg.console_log_bytes;
+        cfg.disks = req
+            .disks
+            .iter()
+            .zip(&files.disks)
+            .map(|(d, f)| crate::vm::DiskConfig {
+                spec: corral_devices::virtio::blk::DiskSpec {
+                    path: d.path.clone(),
+                    read_only: d.read_only,
+                    direct: d.direct,
+                    id: Some(d.id.clone()),
+                    options: Vec::new(),
+                },
+                limits: d.limits.to_blk(),
+                // Every disk is in its class's I/O group (unlimited until the
+                // class gets `io` limits), so class limits apply live.
+                group: class_group
+                    .clone()
+                    .map(|g| (g, corral_blkthrottle::DEFAULT_WEIGHT)),
+                file: Some(f.clone()),
+            })
+            .collect();
+        let gate = Arc::new(Gate::new());
+        if self.cfg.cpu_backend == CpuBackend::Gate {
+            cfg.sched_gate = Some(gate.clone());
+        }
+        let handle = crate::builder::start(&cfg)?;
+        match self.cfg.cpu_backend {
+            CpuBackend::Gate => self.cpu.attach(
+                id,
+                gate,
+                handle.vcpu_tids().to_vec(),
+                handle.device_tid().into_iter().collect(),
+            ),
+            CpuBackend::Cgroup => {
+                if let Some(cg) = &self.cgroup
+                    && let Err(e) = cg
+                        .place_vm(
+                            &self.cg_path(&req.class),
+                            name,
+                            req.weight,
+                            &vm_threads(&handle),
+                        )
+                        .and_then(|()| cg.set_vm_cap(&self.cg_path(&req.class), name, req.cap))
+                {
+                    handle.stop();
+                    handle.join();
+                    return Err(ManagerError::Invalid(format!("cgroup backend: {e}")));
+                }
+            }
+            CpuBackend::None => {}
+        }
+        tracing::info!(
+            vm = name,
+            vcpus = req.vcpus,
+            memory_mib = req.memory_mib,
+            "VM started"
+        );
+        Ok((handle, cfg.cmdline))
+    }
+}
