@@ -8,7 +8,7 @@ use std::time::UNIX_EPOCH;
 use corral_scheduler::ClassSpec;
 use corral_vmm::ExitReason;
 use corral_vmm::manager::{
-    ClassConfig, ClassInfo, DiskConfig, DiskInfo, HostInfo, IoLimits, VmInfo, VmRequest,
+    ClassConfig, ClassInfo, DiskInfo, DiskRequest, HostInfo, IoLimits, VmInfo, VmRequest,
 };
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Deserializer, Serialize};
@@ -307,7 +307,7 @@ impl VmCreate {
             disks: self
                 .disks
                 .into_iter()
-                .map(|d| DiskConfig {
+                .map(|d| DiskRequest {
                     id: d.id.unwrap_or_default(),
                     path: PathBuf::from(d.path),
                     read_only: d.readonly,

@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 
 use corral_scheduler::ClassSpec;
 use corral_vmm::manager::{
-    ClassConfig, ConsoleWatch, CpuBackend, DiskConfig, IoLimits, Manager, ManagerConfig, VmRequest,
-    thread_cpu_ns,
+    ClassConfig, ConsoleWatch, CpuBackend, DiskRequest, IoLimits, Manager, ManagerConfig,
+    VmRequest, thread_cpu_ns,
 };
 
 use super::BenchError;
@@ -198,7 +198,7 @@ impl Vm {
             disks: job
                 .disk
                 .iter()
-                .map(|(p, l)| DiskConfig {
+                .map(|(p, l)| DiskRequest {
                     id: "disk0".into(),
                     path: p.clone(),
                     read_only: job.disk_readonly,

@@ -191,12 +191,12 @@ fn build_disks(cfg: &VmConfig, files: &OpenFiles) -> Result<Vec<BuiltDisk>, VmEr
             .ok_or_else(|| disk_err(&"not open"))?
             .try_clone_file()
             .map_err(|e| disk_err(&e))?;
-        let disk = DiskFile::from_file(file, d.spec.read_only, d.spec.direct)
-            .map_err(|e| disk_err(&format!("{}: {e}", d.spec.path.display())))?;
+        let disk = DiskFile::from_file(file, d.read_only, d.direct)
+            .map_err(|e| disk_err(&format!("{}: {e}", d.path.display())))?;
         let mut block = Block::new(
             disk,
             BlockOptions {
-                serial: d.spec.id.clone().unwrap_or_default(),
+                serial: d.id.clone().unwrap_or_default(),
             },
         )
         .map_err(|e| disk_err(&e))?;

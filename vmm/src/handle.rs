@@ -16,7 +16,7 @@ use crate::hostfile::HostFile;
 use crate::shared::Shared;
 use crate::util::lock;
 use crate::vcpu::VcpuStats;
-use crate::vm::{DiskInfo, ExitReason, VmError};
+use crate::vm::{DiskStatus, ExitReason, VmError};
 
 /// A running VM.
 pub struct VmHandle {
@@ -103,7 +103,7 @@ impl VmHandle {
     }
 
     /// The VM's disks with their limits and counters.
-    pub fn disks(&self) -> Vec<DiskInfo> {
+    pub fn disks(&self) -> Vec<DiskStatus> {
         self.shared
             .disks
             .iter()
@@ -125,11 +125,11 @@ impl VmHandle {
                         None,
                     ),
                 };
-                DiskInfo {
+                DiskStatus {
                     name: name.clone(),
-                    path: d.spec.path.clone(),
-                    read_only: d.spec.read_only,
-                    direct: d.spec.direct,
+                    path: d.path.clone(),
+                    read_only: d.read_only,
+                    direct: d.direct,
                     capacity_bytes,
                     limits,
                     stats,

@@ -1,4 +1,4 @@
-//! One VM: its configuration ([`VmConfig`], [`DiskConfig`]), why it stopped
+//! One VM: its configuration ([`VmConfig`], [`DiskConfig`]) and its disks' status ([`DiskStatus`]), why it stopped
 //! ([`ExitReason`]), its errors, and the checks made before anything is
 //! created ([`validate`]). [`crate::builder::start`] builds and starts it;
 //! [`crate::handle::VmHandle`] is the running VM.
@@ -57,17 +57,28 @@ pub struct VmConfig {
     pub acpi: bool,
 }
 
-/// One virtio-blk disk of a VM.
+/// One virtio-blk disk of a VM: the one disk configuration type of the
+/// VMM. The CLI's `--disk` grammar is parsed by the devices' `DiskSpec`
+/// ([`DiskConfig::parse`]); the daemon's requests are
+/// [`crate::manager::DiskRequest`]s, which name their disks and carry the
+/// API's limits.
 #[derive(Debug, Clone)]
 pub struct DiskConfig {
-    /// Backing file and flags.
-    pub spec: DiskSpec,
+    /// Name within the VM, also its serial number; `None`: `vda`, `vdb`,
+    /// ... by position.
+    pub id: Option<String>,
+    /// Backing file or block device.
+    pub path: PathBuf,
+    /// Refuse writes.
+    pub read_only: bool,
+    /// Open with `O_DIRECT`.
+    pub direct: bool,
     /// The disk's own limits.
     pub limits: Limits,
     /// A shared limit (per class or named), if any, and this disk's weight in it.
     pub group: Option<(ThrottleGroup, u32)>,
     /// The backing file, already opened (and locked) under a host-path
-    /// policy; `None`: [`crate::builder::start`] opens `spec.path` itself.
+    /// policy; `None`: [`crate::builder::start`] opens `path` itself.
     pub file: Option<HostFile>,
 }
 
@@ -91,7 +102,10 @@ impl DiskConfig {
             .validate()
             .map_err(|e| VmError::Config(format!("--disk {s}: {e}")))?;
         Ok(Self {
-            spec,
+            id: spec.id,
+            path: spec.path,
+            read_only: spec.read_only,
+            direct: spec.direct,
             limits,
             group: None,
             file: None,
@@ -100,7 +114,7 @@ impl DiskConfig {
 
     /// The disk's name: its `id`, else `vda`, `vdb`, ... by position.
     pub fn name(&self, index: usize) -> String {
-        self.spec.id.clone().unwrap_or_else(|| disk_name(index))
+        self.id.clone().unwrap_or_else(|| disk_name(index))
     }
 }
 
@@ -123,9 +137,9 @@ pub fn disk_name(index: usize) -> String {
 /// virtio-mmio devices: 4 is COM1, 8 the RTC, 13 the FPU.
 pub const VIRTIO_IRQS: [u32; 9] = [5, 6, 7, 9, 10, 11, 12, 14, 15];
 
-/// Counters and limits of one disk, for the API and metrics.
+/// Counters and limits of one disk of a running VM, for the API and metrics.
 #[derive(Debug, Clone)]
-pub struct DiskInfo {
+pub struct DiskStatus {
     /// Name.
     pub name: String,
     /// Backing file.
@@ -343,9 +357,9 @@ pub fn open_files(cfg: &VmConfig) -> Result<OpenFiles, VmError> {
     for d in &cfg.disks {
         disks.push(match &d.file {
             Some(f) => f.clone(),
-            None => HostImage::Path(d.spec.path.clone()).open(Role::Disk {
-                writable: !d.spec.read_only,
-                direct: d.spec.direct,
+            None => HostImage::Path(d.path.clone()).open(Role::Disk {
+                writable: !d.read_only,
+                direct: d.direct,
             })?,
         });
     }

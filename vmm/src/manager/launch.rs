@@ -74,13 +74,10 @@ impl Manager {
             .iter()
             .zip(&files.disks)
             .map(|(d, f)| crate::vm::DiskConfig {
-                spec: corral_devices::virtio::blk::DiskSpec {
-                    path: d.path.clone(),
-                    read_only: d.read_only,
-                    direct: d.direct,
-                    id: Some(d.id.clone()),
-                    options: Vec::new(),
-                },
+                id: Some(d.id.clone()),
+                path: d.path.clone(),
+                read_only: d.read_only,
+                direct: d.direct,
                 limits: d.limits.to_blk(),
                 // Every disk is in its class's I/O group (unlimited until the
                 // class gets `io` limits), so class limits apply live.

@@ -87,9 +87,10 @@ pub struct ClassConfig {
     pub io: IoLimits,
 }
 
-/// One disk of a VM, as requested.
+/// One disk of a VM, as a client requests it (the VMM's own form, with
+/// the opened file and the throttle group, is [`crate::vm::DiskConfig`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct DiskConfig {
+pub struct DiskRequest {
     /// Name within the VM (`disk0`, `disk1`, ... when not given).
     pub id: String,
     /// Backing file or block device.
@@ -124,7 +125,7 @@ pub struct VmRequest {
     /// Kernel command line; default depends on the kernel.
     pub cmdline: Option<String>,
     /// Disks.
-    pub disks: Vec<DiskConfig>,
+    pub disks: Vec<DiskRequest>,
 }
 
 impl Default for VmRequest {
@@ -263,7 +264,7 @@ pub struct SchedFigures {
 #[derive(Debug, Clone)]
 pub struct DiskInfo {
     /// The configuration (limits are the current ones).
-    pub config: DiskConfig,
+    pub config: DiskRequest,
     /// Size in bytes (0 if unknown).
     pub capacity_bytes: u64,
     /// Throttle counters, when the VM has the disk attached.

@@ -497,7 +497,7 @@ mod tests {
     #[test]
     fn disks_get_names_and_must_differ() {
         let m = test_manager(|_| {});
-        let disk = |id: &str| DiskConfig {
+        let disk = |id: &str| DiskRequest {
             id: id.into(),
             path: "/nonexistent".into(),
             read_only: false,
