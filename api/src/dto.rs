@@ -451,6 +451,11 @@ impl From<VmInfo> for Vm {
                     message: e.to_string(),
                     vcpu: None,
                 },
+                ExitReason::DaemonRestarted => VmExit {
+                    reason: "daemon_restarted".into(),
+                    message: e.to_string(),
+                    vcpu: None,
+                },
                 ExitReason::Fatal { vcpu, .. } => VmExit {
                     reason: "fatal".into(),
                     message: e.to_string(),

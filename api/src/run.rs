@@ -106,7 +106,7 @@ pub fn run(a: RunArgs) -> ExitCode {
     drop(_raw);
     match reason {
         ExitReason::GuestShutdown => ExitCode::SUCCESS,
-        ExitReason::Stopped => {
+        ExitReason::Stopped | ExitReason::DaemonRestarted => {
             eprintln!("corral: VM stopped before the guest shut down");
             ExitCode::from(1)
         }

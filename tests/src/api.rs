@@ -50,13 +50,11 @@ impl Daemon {
         std::fs::create_dir_all(&dir).expect("temp dir");
         let socket = dir.join("corral.sock");
         let state = dir.join("state");
-        let mut args = vec![
-            "serve",
-            "--socket",
-            socket.to_str().expect("utf-8 path"),
-            "--state-dir",
-            state.to_str().expect("utf-8 path"),
-        ];
+        let mut args = vec!["serve", "--socket", socket.to_str().expect("utf-8 path")];
+        // A test that restarts a daemon on one state directory names it.
+        if !extra.contains(&"--state-dir") {
+            args.extend(["--state-dir", state.to_str().expect("utf-8 path")]);
+        }
         // The tests' kernels and disks live in the temp dir and the guest
         // image caches: those are the image directories unless a test
         // names its own.

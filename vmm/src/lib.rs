@@ -15,6 +15,7 @@ pub mod cgroup;
 mod control;
 pub mod cpuid;
 pub mod cpusched;
+mod defined;
 mod devthread;
 pub mod handle;
 pub mod hostfile;

@@ -185,6 +185,9 @@ pub enum ExitReason {
     GuestShutdown,
     /// Stopped on request from the host.
     Stopped,
+    /// Defined in the daemon's state file but not run since the daemon
+    /// (re)started: `start` runs it.
+    DaemonRestarted,
     /// A fatal exit: triple fault, internal error, failed entry.
     Fatal {
         /// vCPU that hit it.
@@ -227,6 +230,11 @@ impl std::fmt::Display for ExitReason {
         match self {
             Self::GuestShutdown => write!(f, "guest shut down"),
             Self::Stopped => write!(f, "stopped on request"),
+            Self::DaemonRestarted => write!(
+                f,
+                "not running since the daemon restarted (its definition was reloaded from the \
+                 state directory); start runs it again"
+            ),
             Self::Fatal {
                 vcpu,
                 reason,

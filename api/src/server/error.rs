@@ -48,6 +48,7 @@ impl From<ManagerError> for ApiError {
             ErrorKind::Conflict => (StatusCode::CONFLICT, "conflict"),
             ErrorKind::Refused => (StatusCode::UNPROCESSABLE_ENTITY, "refused"),
             ErrorKind::Internal => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
+            ErrorKind::Storage => (StatusCode::INSUFFICIENT_STORAGE, "state_not_saved"),
         };
         if status == StatusCode::INTERNAL_SERVER_ERROR {
             tracing::error!("{}", clip_words(&e.to_string()));

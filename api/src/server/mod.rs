@@ -81,6 +81,16 @@ pub struct ServeArgs {
     /// a VM's thread that breaks its filter fails that VM only.
     #[arg(long)]
     pub no_seccomp: bool,
+    /// Start again the VMs of the state file that were running (created
+    /// or started and not stopped) when the daemon last ran. Off: every VM
+    /// is reloaded stopped and `start` runs it.
+    #[arg(long)]
+    pub restart_vms: bool,
+    /// Load `state.json.bak` (the state before the last change) because
+    /// `state.json` is corrupt or unreadable; the bad file is kept as
+    /// `state.json.rejected`.
+    #[arg(long)]
+    pub state_from_backup: bool,
     /// Access control and HTTP limits.
     #[command(flatten)]
     pub api: ApiArgs,
@@ -237,6 +247,7 @@ pub fn serve(args: ServeArgs, builtin: Arc<[u8]>) -> Result<(), ServeError> {
     let host_files =
         corral_vmm::hostfile::HostPolicy::beneath(&args.image_dir, args.allow_block_devices)
             .map_err(io("--image-dir"))?;
+    let state = load_state(&args.api.state_dir, args.state_from_backup)?;
     let cfg = corral_vmm::manager::ManagerConfig {
         capacity: args.capacity.map(corral_scheduler::Capacity::from_percent),
         max_vms: args.max_vms,
@@ -245,6 +256,7 @@ pub fn serve(args: ServeArgs, builtin: Arc<[u8]>) -> Result<(), ServeError> {
         host_files,
         builtin_kernel: Some(builtin),
         cpu_backend: args.cpu_backend,
+        state_dir: Some(args.api.state_dir.clone()),
         ..Default::default()
     };
     // The runtime filter on the main thread before any other thread exists:
@@ -258,6 +270,22 @@ pub fn serve(args: ServeArgs, builtin: Arc<[u8]>) -> Result<(), ServeError> {
             .map_err(|e| ServeError::Config(e.to_string()))?;
     }
     let mgr = Arc::new(Manager::new(cfg)?);
+    if let Some(state) = &state {
+        let r = mgr.restore(state, args.restart_vms).map_err(|e| {
+            ServeError::Config(format!(
+                "{} in {}: {e}; {}",
+                corral_vmm::manager::state::STATE_FILE,
+                args.api.state_dir.display(),
+                BACKUP_HINT
+            ))
+        })?;
+        tracing::info!(
+            classes = r.classes,
+            vms = r.vms,
+            started = r.started,
+            "state reloaded: VMs are stopped unless --restart-vms started them"
+        );
+    }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .max_blocking_threads(128)
@@ -279,6 +307,36 @@ pub fn serve(args: ServeArgs, builtin: Arc<[u8]>) -> Result<(), ServeError> {
             std::process::exit(1);
         }
         Err(e) => Err(e),
+    }
+}
+
+const BACKUP_HINT: &str = "corral serve --state-from-backup loads state.json.bak (the state \
+    before the last change), or move the file away to start with no state";
+
+/// Reads the state file (the backup with `from_backup`, keeping the bad
+/// file as `state.json.rejected`); refuses a file it cannot load whole.
+fn load_state(
+    dir: &std::path::Path,
+    from_backup: bool,
+) -> Result<Option<corral_vmm::manager::state::StateFile>, ServeError> {
+    use corral_vmm::manager::state::{STATE_FILE, read_state};
+    match read_state(dir, from_backup) {
+        Ok(s) if from_backup => {
+            tracing::warn!(
+                "--state-from-backup: loading {}/state.json.bak; {STATE_FILE} is kept as \
+                 state.json.rejected",
+                dir.display()
+            );
+            let _ = std::fs::rename(dir.join(STATE_FILE), dir.join("state.json.rejected"));
+            Ok(s)
+        }
+        Ok(s) => Ok(s),
+        Err(e) if from_backup => Err(ServeError::Config(format!(
+            "cannot load the backup state file: {e}"
+        ))),
+        Err(e) => Err(ServeError::Config(format!(
+            "refusing to start: the state file cannot be loaded: {e}; {BACKUP_HINT}"
+        ))),
     }
 }
 

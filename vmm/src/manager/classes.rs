@@ -89,7 +89,7 @@ impl Manager {
 
     /// Creates a class under `parent` (a root class with `None`); 404 for
     /// an unknown parent, 400 past the depth limit (8).
-    pub fn create_class_in(
+    pub(super) fn create_class_in_live(
         &self,
         name: &str,
         cfg: ClassConfig,
@@ -118,7 +118,7 @@ impl Manager {
     /// Creates (under `parent`) or replaces a class; an existing class keeps
     /// its parent (naming another one is a 409). Returns whether it was
     /// created.
-    pub fn set_class_in(
+    pub(super) fn set_class_in_live(
         &self,
         name: &str,
         cfg: ClassConfig,
@@ -138,7 +138,7 @@ impl Manager {
     }
 
     /// Changes a class with a function of its current configuration.
-    pub fn update_class(
+    pub(super) fn update_class_live(
         &self,
         name: &str,
         f: impl FnOnce(&mut ClassConfig),
@@ -164,7 +164,7 @@ impl Manager {
     }
 
     /// Deletes an empty class; 409 while VMs are in it.
-    pub fn delete_class(&self, name: &str) -> Result<(), ManagerError> {
+    pub(super) fn delete_class_live(&self, name: &str) -> Result<(), ManagerError> {
         if name == DEFAULT_CLASS {
             self.get_class(name)?;
             return Err(ManagerError::Conflict(format!(

@@ -16,6 +16,9 @@ pub enum ErrorKind {
     Refused,
     /// The host failed (500).
     Internal,
+    /// The change could not be written to the state directory (507); it
+    /// was not made.
+    Storage,
 }
 
 /// Errors of the manager.
@@ -46,6 +49,9 @@ pub enum ManagerError {
     /// The manager is shutting down.
     #[error("the daemon is shutting down")]
     ShuttingDown,
+    /// The state file could not be written; nothing was changed.
+    #[error("{0}")]
+    Storage(String),
 }
 
 impl ManagerError {
@@ -57,6 +63,7 @@ impl ManagerError {
             Self::Conflict(_) => ErrorKind::Conflict,
             Self::Refused(_) => ErrorKind::Refused,
             Self::ShuttingDown => ErrorKind::Conflict,
+            Self::Storage(_) => ErrorKind::Storage,
             Self::Model(m) => match m.kind() {
                 ModelErrorKind::Invalid => ErrorKind::Invalid,
                 ModelErrorKind::NotFound => ErrorKind::NotFound,

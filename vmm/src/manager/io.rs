@@ -27,7 +27,7 @@ pub(super) fn set_class_group(
 
 impl Manager {
     /// Changes a disk's limits live.
-    pub fn set_disk_limits(
+    pub(super) fn set_disk_limits_live(
         &self,
         name: &str,
         disk: &str,

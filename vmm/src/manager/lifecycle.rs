@@ -51,7 +51,7 @@ impl Manager {
 
     /// Stops a VM at once (like pulling the plug) and keeps its definition;
     /// `start` runs it again. Stopping a stopped VM is not an error.
-    pub fn stop_vm(&self, name: &str) -> Result<VmInfo, ManagerError> {
+    pub(super) fn stop_vm_live(&self, name: &str) -> Result<VmInfo, ManagerError> {
         let e = self.entry(name)?;
         e.handle.stop();
         self.release_entry(&e, true);
@@ -62,7 +62,11 @@ impl Manager {
     /// to power off; stops it hard if it has not by then. Returns the VM
     /// with how it ended (`shutdown` when the guest complied, `stopped`
     /// otherwise).
-    pub fn shutdown_vm(&self, name: &str, timeout: Duration) -> Result<VmInfo, ManagerError> {
+    pub(super) fn shutdown_vm_live(
+        &self,
+        name: &str,
+        timeout: Duration,
+    ) -> Result<VmInfo, ManagerError> {
         if timeout > MAX_SHUTDOWN_TIMEOUT {
             return Err(ManagerError::Invalid(format!(
                 "timeout must be at most {} s",
@@ -101,7 +105,7 @@ impl Manager {
     /// weight, cap, kernel, disks and limits): its files are opened and
     /// locked anew and its resources booked anew, under the same checks as
     /// `create`. 409 while it runs.
-    pub fn start_vm(&self, name: &str) -> Result<VmInfo, ManagerError> {
+    pub(super) fn start_vm_live(&self, name: &str) -> Result<VmInfo, ManagerError> {
         let old = {
             let mut st = lock(&self.state);
             let e = st
@@ -122,7 +126,13 @@ impl Manager {
         req.weight = old.weight.load(Ordering::Relaxed);
         let cap = old.cap.load(Ordering::Relaxed);
         req.cap = (cap > 0).then_some(cap);
-        match self.create_vm(req) {
+        // Disk limits changed live since the VM was created.
+        for d in &mut req.disks {
+            if let Some(now) = lock(&old.disks).iter().find(|x| x.config.id == d.id) {
+                d.limits = now.config.limits;
+            }
+        }
+        match self.create_vm_live(req) {
             Ok(info) => {
                 tracing::info!(vm = name, "VM started again");
                 Ok(info)

@@ -20,6 +20,7 @@ mod error;
 mod io;
 mod launch;
 mod lifecycle;
+pub mod state;
 mod model;
 mod vms;
 
@@ -91,7 +92,7 @@ impl Entry {
             Some(r) => {
                 let s = match r {
                     ExitReason::GuestShutdown => VmState::Shutdown,
-                    ExitReason::Stopped => VmState::Stopped,
+                    ExitReason::Stopped | ExitReason::DaemonRestarted => VmState::Stopped,
                     ExitReason::Fatal { .. } | ExitReason::ThreadFault { .. } => VmState::Failed,
                 };
                 (s, Some(r))
@@ -154,6 +155,9 @@ pub struct Manager {
     memory_budget_mib: u64,
     /// Which VM holds which image (for the 409's message).
     images: ImageBook,
+    /// The state file and which VMs are meant to run; held across every
+    /// change the API makes, and its write ([`state`]).
+    persist: Mutex<state::Persist>,
 }
 
 impl std::fmt::Debug for Manager {
@@ -232,9 +236,10 @@ impl Manager {
             sched,
             cpu,
             cgroup,
-            cfg,
             memory_budget_mib,
             images: ImageBook::default(),
+            persist: Mutex::new(state::Persist::new(cfg.state_dir.clone())),
+            cfg,
         })
     }
 

@@ -172,6 +172,9 @@ pub struct ManagerConfig {
     pub console_log_bytes: usize,
     /// How CPU shares are enforced.
     pub cpu_backend: CpuBackend,
+    /// Where classes and VM definitions are persisted (`state.json` in
+    /// it); `None` = nowhere (`corral run`, library users).
+    pub state_dir: Option<PathBuf>,
 }
 
 /// How the manager enforces CPU shares, caps and reservations.
@@ -213,6 +216,7 @@ impl Default for ManagerConfig {
             initial_classes: vec![("default".into(), ClassConfig::default())],
             console_log_bytes: 256 * 1024,
             cpu_backend: CpuBackend::Gate,
+            state_dir: None,
         }
     }
 }

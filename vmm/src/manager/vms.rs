@@ -179,7 +179,7 @@ impl Manager {
     }
 
     /// Creates and starts a VM. Blocks while it starts (milliseconds).
-    pub fn create_vm(&self, mut req: VmRequest) -> Result<VmInfo, ManagerError> {
+    pub(super) fn create_vm_live(&self, mut req: VmRequest) -> Result<VmInfo, ManagerError> {
         self.validate_request(&mut req)?;
         self.reap();
         // Open (never waiting), check and lock every file first: a refused
@@ -325,7 +325,7 @@ impl Manager {
 
     /// Stops a VM, frees it and returns its last snapshot. Blocks until its
     /// threads are gone.
-    pub fn delete_vm(&self, name: &str) -> Result<VmInfo, ManagerError> {
+    pub(super) fn delete_vm_live(&self, name: &str) -> Result<VmInfo, ManagerError> {
         let e = lock(&self.state)
             .vms
             .remove(name)
@@ -340,7 +340,7 @@ impl Manager {
     /// Sets or removes a VM's own CPU cap (percent of one CPU), live: the
     /// gate backend's policy and the cgroup backend (`cpu.max` of the VM's
     /// group) apply it from their next tick / at once.
-    pub fn set_vm_cap(&self, name: &str, cap: Option<u32>) -> Result<VmInfo, ManagerError> {
+    pub(super) fn set_vm_cap_live(&self, name: &str, cap: Option<u32>) -> Result<VmInfo, ManagerError> {
         let e = {
             let st = lock(&self.state);
             let e = st
@@ -393,7 +393,7 @@ impl Manager {
     }
 
     /// Moves a VM to another class (live), optionally with a new weight.
-    pub fn move_vm(
+    pub(super) fn move_vm_live(
         &self,
         name: &str,
         class: &str,

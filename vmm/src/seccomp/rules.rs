@@ -322,6 +322,11 @@ fn runtime(r: &mut Rules) {
             libc::SYS_unlinkat,
             libc::SYS_rmdir,
             libc::SYS_rename,
+            // The state file: its backup is a hard link, renamed into place.
+            libc::SYS_renameat,
+            libc::SYS_renameat2,
+            libc::SYS_link,
+            libc::SYS_linkat,
             libc::SYS_chmod,
             libc::SYS_fchmod,
             libc::SYS_fchmodat,

@@ -1,0 +1,749 @@
+//! State that survives the daemon: classes (with their parents, caps,
+//! reservations and I/O limits), VM definitions (the create request, with
+//! the VM's current class, weight, cap and disk limits) and whether each VM
+//! is meant to run, in `state.json` in the state directory.
+//!
+//! Every change the API makes goes through the wrappers here: they take the
+//! [`Persist`] lock (so changes and their writes are serialized), make the
+//! change in memory, write the whole state (temp file, fsync, link the old
+//! file to `state.json.bak`, rename, fsync the directory) and, if the write
+//! fails, undo the change and answer [`ManagerError::Storage`] (507).
+//! Stopping and deleting are written first, then done (they cannot be
+//! undone). Nothing here runs without a state directory.
+
+use std::collections::BTreeSet;
+use std::fs::{self, File, OpenOptions};
+use std::io::Write;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use serde::{Deserialize, Serialize};
+
+use super::{
+    ClassConfig, ClassInfo, DiskConfig, DiskInfo, Entry, IoLimits, Manager, ManagerError, State,
+    VmInfo, VmRequest, lock, validate_name,
+};
+use crate::handle::VmHandle;
+use crate::vm::ExitReason;
+use corral_scheduler::{ClassSpec, VmId};
+
+/// The format this build writes and reads.
+pub const STATE_VERSION: u32 = 1;
+/// The state file, in the state directory.
+pub const STATE_FILE: &str = "state.json";
+/// The previous good state file.
+pub const BACKUP_FILE: &str = "state.json.bak";
+
+/// The state file's contents.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StateFile {
+    /// [`STATE_VERSION`].
+    pub version: u32,
+    /// Classes, parents before their children.
+    pub classes: Vec<SavedClass>,
+    /// VM definitions.
+    pub vms: Vec<SavedVm>,
+}
+
+/// I/O limits (absent = none).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+#[allow(missing_docs)]
+pub struct SavedIo {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bps: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub iops: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rbps: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub wbps: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub riops: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub wiops: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub burst_bytes: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub burst_ops: Option<u64>,
+}
+
+impl From<IoLimits> for SavedIo {
+    fn from(l: IoLimits) -> Self {
+        let IoLimits {
+            bps,
+            iops,
+            rbps,
+            wbps,
+            riops,
+            wiops,
+            burst_bytes,
+            burst_ops,
+        } = l;
+        Self {
+            bps,
+            iops,
+            rbps,
+            wbps,
+            riops,
+            wiops,
+            burst_bytes,
+            burst_ops,
+        }
+    }
+}
+
+impl From<SavedIo> for IoLimits {
+    fn from(l: SavedIo) -> Self {
+        let SavedIo {
+            bps,
+            iops,
+            rbps,
+            wbps,
+            riops,
+            wiops,
+            burst_bytes,
+            burst_ops,
+        } = l;
+        Self {
+            bps,
+            iops,
+            rbps,
+            wbps,
+            riops,
+            wiops,
+            burst_bytes,
+            burst_ops,
+        }
+    }
+}
+
+/// A class.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+#[allow(missing_docs)]
+pub struct SavedClass {
+    pub name: String,
+    pub parent: Option<String>,
+    pub shares: u32,
+    pub cap: Option<u32>,
+    pub reservation: Option<u32>,
+    #[serde(default)]
+    pub io: SavedIo,
+}
+
+/// A disk of a VM.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+#[allow(missing_docs)]
+pub struct SavedDisk {
+    pub id: String,
+    pub path: PathBuf,
+    pub readonly: bool,
+    pub direct: bool,
+    #[serde(default)]
+    pub limits: SavedIo,
+}
+
+/// A VM definition, with its current class, weight, cap and disk limits.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+#[allow(missing_docs)]
+pub struct SavedVm {
+    pub name: String,
+    pub class: String,
+    pub weight: u32,
+    pub cap: Option<u32>,
+    pub vcpus: u32,
+    pub memory_mib: u64,
+    pub kernel: Option<PathBuf>,
+    pub initrd: Option<PathBuf>,
+    pub cmdline: Option<String>,
+    pub disks: Vec<SavedDisk>,
+    /// Meant to run: created or started, and not stopped, by the API.
+    pub running: bool,
+}
+
+impl SavedVm {
+    fn request(&self) -> VmRequest {
+        VmRequest {
+            name: Some(self.name.clone()),
+            class: self.class.clone(),
+            weight: self.weight,
+            cap: self.cap,
+            vcpus: self.vcpus,
+            memory_mib: self.memory_mib,
+            kernel: self.kernel.clone(),
+            initrd: self.initrd.clone(),
+            cmdline: self.cmdline.clone(),
+            disks: self
+                .disks
+                .iter()
+                .map(|d| DiskConfig {
+                    id: d.id.clone(),
+                    path: d.path.clone(),
+                    read_only: d.readonly,
+                    direct: d.direct,
+                    limits: d.limits.into(),
+                })
+                .collect(),
+        }
+    }
+}
+
+/// Reads `dir/state.json` (or, with `from_backup`, `dir/state.json.bak`).
+/// `Ok(None)` when the file does not exist (a first start). An error names
+/// the file and what is wrong with it.
+pub fn read_state(dir: &Path, from_backup: bool) -> Result<Option<StateFile>, String> {
+    let path = dir.join(if from_backup { BACKUP_FILE } else { STATE_FILE });
+    let text = match fs::read(&path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound && !from_backup => return Ok(None),
+        Err(e) => return Err(format!("cannot read {}: {e}", path.display())),
+    };
+    parse_state(&text)
+        .map(Some)
+        .map_err(|why| format!("{}: {why}", path.display()))
+}
+
+/// Parses a state file: its version first, then the rest.
+pub fn parse_state(text: &[u8]) -> Result<StateFile, String> {
+    let v: serde_json::Value =
+        serde_json::from_slice(text).map_err(|e| format!("not valid JSON: {e}"))?;
+    match v.get("version").map(serde_json::Value::as_u64) {
+        Some(Some(n)) if n == u64::from(STATE_VERSION) => {}
+        Some(Some(n)) => {
+            return Err(format!(
+                "unknown format version {n} (this corral reads version {STATE_VERSION})"
+            ));
+        }
+        _ => return Err("no numeric \"version\" field".into()),
+    }
+    serde_json::from_value(v).map_err(|e| format!("not a corral state file: {e}"))
+}
+
+/// Writes `data` as `dir/state.json` atomically: a temp file, fsync'd; the
+/// current file hard-linked to `state.json.bak`; the temp file renamed over
+/// `state.json`; the directory fsync'd.
+fn write_atomic(dir: &Path, data: &[u8]) -> std::io::Result<()> {
+    let path = dir.join(STATE_FILE);
+    let tmp = dir.join("state.json.tmp");
+    let mut f = OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(&tmp)?;
+    if let Err(e) = f.write_all(data).and_then(|()| f.sync_all()) {
+        drop(f);
+        let _ = fs::remove_file(&tmp);
+        return Err(e);
+    }
+    drop(f);
+    if fs::symlink_metadata(&path).is_ok() {
+        let bak_tmp = dir.join("state.json.bak.tmp");
+        let _ = fs::remove_file(&bak_tmp);
+        fs::hard_link(&path, &bak_tmp)?;
+        fs::rename(&bak_tmp, dir.join(BACKUP_FILE))?;
+    }
+    fs::rename(&tmp, &path)?;
+    File::open(dir)?.sync_all()
+}
+
+/// Where the state goes and which VMs are meant to run. Its lock is held
+/// across each change and its write.
+#[derive(Debug, Default)]
+pub struct Persist {
+    dir: Option<PathBuf>,
+    wanted: BTreeSet<String>,
+}
+
+impl Persist {
+    pub(super) fn new(dir: Option<PathBuf>) -> Self {
+        Self {
+            dir,
+            wanted: BTreeSet::new(),
+        }
+    }
+}
+
+/// What [`Manager::restore`] loaded.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Restored {
+    /// Classes.
+    pub classes: usize,
+    /// VM definitions.
+    pub vms: usize,
+    /// VMs started again (`--restart-vms`).
+    pub started: usize,
+}
+
+impl Manager {
+    /// The state as it is in memory (classes in tree order).
+    fn snapshot(&self, st: &State, p: &Persist) -> StateFile {
+        let all: Vec<SavedClass> = {
+            let s = self.sched();
+            s.model()
+                .classes_with_parents()
+                .map(|(name, spec, parent)| SavedClass {
+                    name: name.to_string(),
+                    parent: parent.map(str::to_string),
+                    shares: spec.shares,
+                    cap: spec.cap,
+                    reservation: spec.reservation,
+                    io: st.class_io.get(name).copied().unwrap_or_default().into(),
+                })
+                .collect()
+        };
+        let mut classes: Vec<SavedClass> = Vec::with_capacity(all.len());
+        let mut placed = BTreeSet::new();
+        loop {
+            let before = classes.len();
+            for c in &all {
+                if !placed.contains(&c.name) && c.parent.as_ref().is_none_or(|p| placed.contains(p))
+                {
+                    placed.insert(c.name.clone());
+                    classes.push(c.clone());
+                }
+            }
+            if classes.len() == before {
+                break;
+            }
+        }
+        let vms = st
+            .vms
+            .values()
+            .map(|e| {
+                let r = &e.request;
+                let cap = e.cap.load(Ordering::Relaxed);
+                SavedVm {
+                    name: e.name.clone(),
+                    class: lock(&e.class).clone(),
+                    weight: e.weight.load(Ordering::Relaxed),
+                    cap: (cap > 0).then_some(cap),
+                    vcpus: r.vcpus,
+                    memory_mib: r.memory_mib,
+                    kernel: r.kernel.clone(),
+                    initrd: r.initrd.clone(),
+                    cmdline: r.cmdline.clone(),
+                    disks: lock(&e.disks)
+                        .iter()
+                        .map(|d| SavedDisk {
+                            id: d.config.id.clone(),
+                            path: d.config.path.clone(),
+                            readonly: d.config.read_only,
+                            direct: d.config.direct,
+                            limits: d.config.limits.into(),
+                        })
+                        .collect(),
+                    running: p.wanted.contains(&e.name),
+                }
+            })
+            .collect();
+        StateFile {
+            version: STATE_VERSION,
+            classes,
+            vms,
+        }
+    }
+
+    /// Writes the state (less the VM `without`); a no-op without a state
+    /// directory.
+    fn save(&self, p: &Persist, without: Option<&str>) -> Result<(), ManagerError> {
+        let Some(dir) = &p.dir else {
+            return Ok(());
+        };
+        let mut file = self.snapshot(&lock(&self.state), p);
+        if let Some(n) = without {
+            file.vms.retain(|v| v.name != n);
+        }
+        let data = serde_json::to_vec_pretty(&file)
+            .map_err(|e| ManagerError::Storage(format!("serializing the state: {e}")))?;
+        write_atomic(dir, &data).map_err(|e| {
+            tracing::error!(dir = %dir.display(), "writing the state file: {e}");
+            ManagerError::Storage(format!(
+                "the change was not made: writing {} failed: {e}",
+                dir.join(STATE_FILE).display()
+            ))
+        })
+    }
+
+    /// Makes a change, writes it, and undoes it if the write fails.
+    fn commit<T>(
+        &self,
+        p: &mut Persist,
+        change: impl FnOnce(&Self, &mut Persist) -> Result<T, ManagerError>,
+        undo: impl FnOnce(&Self, &mut Persist, &T),
+    ) -> Result<T, ManagerError> {
+        let v = change(self, p)?;
+        if let Err(e) = self.save(p, None) {
+            undo(self, p, &v);
+            return Err(e);
+        }
+        Ok(v)
+    }
+
+    fn class_now(&self, name: &str) -> Option<(ClassConfig, Option<String>)> {
+        let st = lock(&self.state);
+        let s = self.sched();
+        let cpu = *s.model().class(name)?;
+        let parent = s.model().class_parent(name).map(str::to_string);
+        let io = st.class_io.get(name).copied().unwrap_or_default();
+        Some((ClassConfig { cpu, io }, parent))
+    }
+
+    fn restore_class(&self, name: &str, old: Option<(ClassConfig, Option<String>)>) {
+        let r = match old {
+            Some((cfg, parent)) => self
+                .set_class_in_live(name, cfg, parent.as_deref())
+                .map(|_| ()),
+            None => self.delete_class_live(name),
+        };
+        if let Err(e) = r {
+            tracing::error!(class = name, "undoing a change that was not saved: {e}");
+        }
+    }
+
+    /// Creates a class under `parent` (a root class with `None`); 404 for
+    /// an unknown parent, 400 past the depth limit (8).
+    pub fn create_class_in(
+        &self,
+        name: &str,
+        cfg: ClassConfig,
+        parent: Option<&str>,
+    ) -> Result<ClassInfo, ManagerError> {
+        let mut p = lock(&self.persist);
+        self.commit(
+            &mut p,
+            |m, _| m.create_class_in_live(name, cfg, parent),
+            |m, _, _| m.restore_class(name, None),
+        )
+    }
+
+    /// Creates (under `parent`) or replaces a class; an existing class keeps
+    /// its parent (naming another one is a 409). Returns whether it was
+    /// created.
+    pub fn set_class_in(
+        &self,
+        name: &str,
+        cfg: ClassConfig,
+        parent: Option<&str>,
+    ) -> Result<(bool, ClassInfo), ManagerError> {
+        let mut p = lock(&self.persist);
+        let old = self.class_now(name);
+        self.commit(
+            &mut p,
+            |m, _| m.set_class_in_live(name, cfg, parent),
+            |m, _, _| m.restore_class(name, old),
+        )
+    }
+
+    /// Changes a class with a function of its current configuration.
+    pub fn update_class(
+        &self,
+        name: &str,
+        f: impl FnOnce(&mut ClassConfig),
+    ) -> Result<ClassInfo, ManagerError> {
+        let mut p = lock(&self.persist);
+        let old = self.class_now(name);
+        self.commit(
+            &mut p,
+            |m, _| m.update_class_live(name, f),
+            |m, _, _| m.restore_class(name, old),
+        )
+    }
+
+    /// Deletes an empty class; 409 while VMs are in it.
+    pub fn delete_class(&self, name: &str) -> Result<(), ManagerError> {
+        let mut p = lock(&self.persist);
+        let old = self.class_now(name);
+        self.commit(
+            &mut p,
+            |m, _| m.delete_class_live(name),
+            |m, _, _| {
+                if let Some((cfg, parent)) = old
+                    && let Err(e) = m.create_class_in_live(name, cfg, parent.as_deref())
+                {
+                    tracing::error!(class = name, "undoing a change that was not saved: {e}");
+                }
+            },
+        )
+    }
+
+    /// Creates and starts a VM. Blocks while it starts (milliseconds).
+    pub fn create_vm(&self, req: VmRequest) -> Result<VmInfo, ManagerError> {
+        let mut p = lock(&self.persist);
+        self.commit(
+            &mut p,
+            |m, p| {
+                let info = m.create_vm_live(req)?;
+                p.wanted.insert(info.name.clone());
+                Ok(info)
+            },
+            |m, p, info| {
+                p.wanted.remove(&info.name);
+                let _ = m.delete_vm_live(&info.name);
+            },
+        )
+    }
+
+    /// Runs a stopped VM again from its definition (same name, class,
+    /// weight, cap, kernel, disks and limits): its files are opened and
+    /// locked anew and its resources booked anew, under the same checks as
+    /// `create`. 409 while it runs.
+    pub fn start_vm(&self, name: &str) -> Result<VmInfo, ManagerError> {
+        let mut p = lock(&self.persist);
+        let was = p.wanted.contains(name);
+        self.commit(
+            &mut p,
+            |m, p| {
+                let info = m.start_vm_live(name)?;
+                p.wanted.insert(name.to_string());
+                Ok(info)
+            },
+            |m, p, _| {
+                if !was {
+                    p.wanted.remove(name);
+                }
+                let _ = m.stop_vm_live(name);
+            },
+        )
+    }
+
+    /// Records that `name` is no longer meant to run (written first: a stop
+    /// cannot be undone).
+    fn save_not_wanted(&self, p: &mut Persist, name: &str) -> Result<(), ManagerError> {
+        self.entry(name)?;
+        if p.wanted.remove(name)
+            && let Err(e) = self.save(p, None)
+        {
+            p.wanted.insert(name.to_string());
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    /// Stops a VM at once (like pulling the plug) and keeps its definition;
+    /// `start` runs it again. Stopping a stopped VM is not an error.
+    pub fn stop_vm(&self, name: &str) -> Result<VmInfo, ManagerError> {
+        let mut p = lock(&self.persist);
+        self.save_not_wanted(&mut p, name)?;
+        self.stop_vm_live(name)
+    }
+
+    /// Presses the VM's power button and waits up to `timeout` for the guest
+    /// to power off; stops it hard if it has not by then. Returns the VM
+    /// with how it ended (`shutdown` when the guest complied, `stopped`
+    /// otherwise).
+    pub fn shutdown_vm(&self, name: &str, timeout: Duration) -> Result<VmInfo, ManagerError> {
+        if timeout > super::MAX_SHUTDOWN_TIMEOUT {
+            return Err(ManagerError::Invalid(format!(
+                "timeout must be at most {} s",
+                super::MAX_SHUTDOWN_TIMEOUT.as_secs()
+            )));
+        }
+        // Not held while the guest takes its time.
+        self.save_not_wanted(&mut lock(&self.persist), name)?;
+        self.shutdown_vm_live(name, timeout)
+    }
+
+    /// Stops a VM, frees it and returns its last snapshot. Blocks until its
+    /// threads are gone.
+    pub fn delete_vm(&self, name: &str) -> Result<VmInfo, ManagerError> {
+        let mut p = lock(&self.persist);
+        self.entry(name)?;
+        let was = p.wanted.remove(name);
+        if let Err(e) = self.save(&p, Some(name)) {
+            if was {
+                p.wanted.insert(name.to_string());
+            }
+            return Err(e);
+        }
+        self.delete_vm_live(name)
+    }
+
+    /// Sets or removes a VM's own CPU cap (percent of one CPU), live: the
+    /// gate backend's policy and the cgroup backend (`cpu.max` of the VM's
+    /// group) apply it from their next tick / at once.
+    pub fn set_vm_cap(&self, name: &str, cap: Option<u32>) -> Result<VmInfo, ManagerError> {
+        let mut p = lock(&self.persist);
+        let old = self.entry(name)?.cap.load(Ordering::Relaxed);
+        self.commit(
+            &mut p,
+            |m, _| m.set_vm_cap_live(name, cap),
+            |m, _, _| {
+                let _ = m.set_vm_cap_live(name, (old > 0).then_some(old));
+            },
+        )
+    }
+
+    /// Moves a VM to another class (live), optionally with a new weight.
+    pub fn move_vm(
+        &self,
+        name: &str,
+        class: &str,
+        weight: Option<u32>,
+    ) -> Result<VmInfo, ManagerError> {
+        let mut p = lock(&self.persist);
+        let e = self.entry(name)?;
+        let (old_class, old_weight) = (lock(&e.class).clone(), e.weight.load(Ordering::Relaxed));
+        self.commit(
+            &mut p,
+            |m, _| m.move_vm_live(name, class, weight),
+            |m, _, _| {
+                let _ = m.move_vm_live(name, &old_class, Some(old_weight));
+            },
+        )
+    }
+
+    /// Changes a disk's limits live.
+    pub fn set_disk_limits(
+        &self,
+        name: &str,
+        disk: &str,
+        limits: IoLimits,
+    ) -> Result<DiskInfo, ManagerError> {
+        let mut p = lock(&self.persist);
+        let old = lock(&self.entry(name)?.disks)
+            .iter()
+            .find(|d| d.config.id == disk)
+            .map(|d| d.config.limits);
+        self.commit(
+            &mut p,
+            |m, _| m.set_disk_limits_live(name, disk, limits),
+            |m, _, _| {
+                if let Some(old) = old {
+                    let _ = m.set_disk_limits_live(name, disk, old);
+                }
+            },
+        )
+    }
+
+    /// Loads a state file into a manager that has just been made: classes
+    /// in tree order, then every VM definition, stopped (exit reason
+    /// `daemon_restarted`); with `restart`, starts those meant to run.
+    /// Checks every class and VM before it loads any; an error means the
+    /// daemon must not serve this manager. Writes the state once loaded.
+    pub fn restore(&self, file: &StateFile, restart: bool) -> Result<Restored, ManagerError> {
+        let mut p = lock(&self.persist);
+        let bad = |what: String| ManagerError::Invalid(format!("state file: {what}"));
+        let mut names = BTreeSet::new();
+        for c in &file.classes {
+            validate_name("class name", &c.name).map_err(|e| bad(e.to_string()))?;
+            if let Some(parent) = &c.parent
+                && !names.contains(parent)
+            {
+                return Err(bad(format!(
+                    "class {:?} comes before its parent {parent:?}",
+                    c.name
+                )));
+            }
+            if !names.insert(c.name.clone()) {
+                return Err(bad(format!("class {:?} appears twice", c.name)));
+            }
+            let cpu = ClassSpec {
+                shares: c.shares,
+                cap: c.cap,
+                reservation: c.reservation,
+            };
+            cpu.validate()
+                .map_err(|e| bad(format!("class {:?}: {e}", c.name)))?;
+            IoLimits::from(c.io)
+                .validate()
+                .map_err(|e| bad(format!("class {:?}: {e}", c.name)))?;
+        }
+        let mut vms = BTreeSet::new();
+        let mut reqs = Vec::with_capacity(file.vms.len());
+        for v in &file.vms {
+            if !names.contains(&v.class) {
+                return Err(bad(format!(
+                    "VM {:?} is in unknown class {:?}",
+                    v.name, v.class
+                )));
+            }
+            if !vms.insert(v.name.clone()) {
+                return Err(bad(format!("VM {:?} appears twice", v.name)));
+            }
+            let mut req = v.request();
+            self.validate_request(&mut req)
+                .map_err(|e| bad(format!("VM {:?}: {e}", v.name)))?;
+            reqs.push((v, req));
+        }
+        if reqs.len() > self.cfg.max_vms.saturating_mul(4) {
+            return Err(bad(format!(
+                "{} VMs, more than this daemon keeps (4 x --max-vms)",
+                reqs.len()
+            )));
+        }
+        for c in &file.classes {
+            let cfg = ClassConfig {
+                cpu: ClassSpec {
+                    shares: c.shares,
+                    cap: c.cap,
+                    reservation: c.reservation,
+                },
+                io: c.io.into(),
+            };
+            self.set_class_in_live(&c.name, cfg, c.parent.as_deref())
+                .map_err(|e| bad(format!("class {:?}: {e}", c.name)))?;
+        }
+        {
+            let mut st = lock(&self.state);
+            for (v, req) in reqs {
+                let handle = VmHandle::defined(&v.name, ExitReason::DaemonRestarted)?;
+                let entry = Entry {
+                    id: VmId(st.next_id),
+                    name: v.name.clone(),
+                    cmdline: req.cmdline.clone().unwrap_or_default(),
+                    handle,
+                    created: SystemTime::now(),
+                    class: Mutex::new(v.class.clone()),
+                    weight: AtomicU32::new(v.weight),
+                    cap: AtomicU32::new(v.cap.unwrap_or(0)),
+                    disks: Mutex::new(
+                        req.disks
+                            .iter()
+                            .map(|d| DiskInfo {
+                                config: d.clone(),
+                                capacity_bytes: 0,
+                                stats: None,
+                                group: None,
+                            })
+                            .collect(),
+                    ),
+                    cpu_ns: Mutex::new(vec![0; req.vcpus as usize]),
+                    reaped: AtomicBool::new(true),
+                    request: req,
+                };
+                st.next_id += 1;
+                st.vms.insert(v.name.clone(), Arc::new(entry));
+            }
+        }
+        p.wanted = file
+            .vms
+            .iter()
+            .filter(|v| v.running)
+            .map(|v| v.name.clone())
+            .collect();
+        let mut started = 0;
+        if restart {
+            for name in p.wanted.clone() {
+                match self.start_vm_live(&name) {
+                    Ok(_) => started += 1,
+                    Err(e) => tracing::warn!(vm = name, "--restart-vms: not started: {e}"),
+                }
+            }
+        }
+        self.save(&p, None)?;
+        Ok(Restored {
+            classes: file.classes.len(),
+            vms: file.vms.len(),
+            started,
+        })
+    }
+}
