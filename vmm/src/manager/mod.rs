@@ -20,8 +20,8 @@ mod error;
 mod io;
 mod launch;
 mod lifecycle;
-pub mod state;
 mod model;
+pub mod state;
 mod vms;
 
 pub use error::{ErrorKind, ManagerError};

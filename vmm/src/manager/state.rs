@@ -12,248 +12,25 @@
 //! undone). Nothing here runs without a state directory.
 
 use std::collections::BTreeSet;
-use std::fs::{self, File, OpenOptions};
-use std::io::Write;
-use std::os::unix::fs::OpenOptionsExt;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
-use serde::{Deserialize, Serialize};
-
 use super::{
-    ClassConfig, ClassInfo, DiskConfig, DiskInfo, Entry, IoLimits, Manager, ManagerError, State,
-    VmInfo, VmRequest, lock, validate_name,
+    ClassConfig, ClassInfo, DiskInfo, Entry, IoLimits, Manager, ManagerError, State, VmInfo,
+    VmRequest, lock, validate_name,
 };
 use crate::handle::VmHandle;
 use crate::vm::ExitReason;
 use corral_scheduler::{ClassSpec, VmId};
 
-/// The format this build writes and reads.
-pub const STATE_VERSION: u32 = 1;
-/// The state file, in the state directory.
-pub const STATE_FILE: &str = "state.json";
-/// The previous good state file.
-pub const BACKUP_FILE: &str = "state.json.bak";
-
-/// The state file's contents.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct StateFile {
-    /// [`STATE_VERSION`].
-    pub version: u32,
-    /// Classes, parents before their children.
-    pub classes: Vec<SavedClass>,
-    /// VM definitions.
-    pub vms: Vec<SavedVm>,
-}
-
-/// I/O limits (absent = none).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-#[allow(missing_docs)]
-pub struct SavedIo {
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub bps: Option<u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub iops: Option<u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub rbps: Option<u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub wbps: Option<u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub riops: Option<u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub wiops: Option<u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub burst_bytes: Option<u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub burst_ops: Option<u64>,
-}
-
-impl From<IoLimits> for SavedIo {
-    fn from(l: IoLimits) -> Self {
-        let IoLimits {
-            bps,
-            iops,
-            rbps,
-            wbps,
-            riops,
-            wiops,
-            burst_bytes,
-            burst_ops,
-        } = l;
-        Self {
-            bps,
-            iops,
-            rbps,
-            wbps,
-            riops,
-            wiops,
-            burst_bytes,
-            burst_ops,
-        }
-    }
-}
-
-impl From<SavedIo> for IoLimits {
-    fn from(l: SavedIo) -> Self {
-        let SavedIo {
-            bps,
-            iops,
-            rbps,
-            wbps,
-            riops,
-            wiops,
-            burst_bytes,
-            burst_ops,
-        } = l;
-        Self {
-            bps,
-            iops,
-            rbps,
-            wbps,
-            riops,
-            wiops,
-            burst_bytes,
-            burst_ops,
-        }
-    }
-}
-
-/// A class.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-#[allow(missing_docs)]
-pub struct SavedClass {
-    pub name: String,
-    pub parent: Option<String>,
-    pub shares: u32,
-    pub cap: Option<u32>,
-    pub reservation: Option<u32>,
-    #[serde(default)]
-    pub io: SavedIo,
-}
-
-/// A disk of a VM.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-#[allow(missing_docs)]
-pub struct SavedDisk {
-    pub id: String,
-    pub path: PathBuf,
-    pub readonly: bool,
-    pub direct: bool,
-    #[serde(default)]
-    pub limits: SavedIo,
-}
-
-/// A VM definition, with its current class, weight, cap and disk limits.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-#[allow(missing_docs)]
-pub struct SavedVm {
-    pub name: String,
-    pub class: String,
-    pub weight: u32,
-    pub cap: Option<u32>,
-    pub vcpus: u32,
-    pub memory_mib: u64,
-    pub kernel: Option<PathBuf>,
-    pub initrd: Option<PathBuf>,
-    pub cmdline: Option<String>,
-    pub disks: Vec<SavedDisk>,
-    /// Meant to run: created or started, and not stopped, by the API.
-    pub running: bool,
-}
-
-impl SavedVm {
-    fn request(&self) -> VmRequest {
-        VmRequest {
-            name: Some(self.name.clone()),
-            class: self.class.clone(),
-            weight: self.weight,
-            cap: self.cap,
-            vcpus: self.vcpus,
-            memory_mib: self.memory_mib,
-            kernel: self.kernel.clone(),
-            initrd: self.initrd.clone(),
-            cmdline: self.cmdline.clone(),
-            disks: self
-                .disks
-                .iter()
-                .map(|d| DiskConfig {
-                    id: d.id.clone(),
-                    path: d.path.clone(),
-                    read_only: d.readonly,
-                    direct: d.direct,
-                    limits: d.limits.into(),
-                })
-                .collect(),
-        }
-    }
-}
-
-/// Reads `dir/state.json` (or, with `from_backup`, `dir/state.json.bak`).
-/// `Ok(None)` when the file does not exist (a first start). An error names
-/// the file and what is wrong with it.
-pub fn read_state(dir: &Path, from_backup: bool) -> Result<Option<StateFile>, String> {
-    let path = dir.join(if from_backup { BACKUP_FILE } else { STATE_FILE });
-    let text = match fs::read(&path) {
-        Ok(t) => t,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound && !from_backup => return Ok(None),
-        Err(e) => return Err(format!("cannot read {}: {e}", path.display())),
-    };
-    parse_state(&text)
-        .map(Some)
-        .map_err(|why| format!("{}: {why}", path.display()))
-}
-
-/// Parses a state file: its version first, then the rest.
-pub fn parse_state(text: &[u8]) -> Result<StateFile, String> {
-    let v: serde_json::Value =
-        serde_json::from_slice(text).map_err(|e| format!("not valid JSON: {e}"))?;
-    match v.get("version").map(serde_json::Value::as_u64) {
-        Some(Some(n)) if n == u64::from(STATE_VERSION) => {}
-        Some(Some(n)) => {
-            return Err(format!(
-                "unknown format version {n} (this corral reads version {STATE_VERSION})"
-            ));
-        }
-        _ => return Err("no numeric \"version\" field".into()),
-    }
-    serde_json::from_value(v).map_err(|e| format!("not a corral state file: {e}"))
-}
-
-/// Writes `data` as `dir/state.json` atomically: a temp file, fsync'd; the
-/// current file hard-linked to `state.json.bak`; the temp file renamed over
-/// `state.json`; the directory fsync'd.
-fn write_atomic(dir: &Path, data: &[u8]) -> std::io::Result<()> {
-    let path = dir.join(STATE_FILE);
-    let tmp = dir.join("state.json.tmp");
-    let mut f = OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(0o600)
-        .custom_flags(libc::O_NOFOLLOW)
-        .open(&tmp)?;
-    if let Err(e) = f.write_all(data).and_then(|()| f.sync_all()) {
-        drop(f);
-        let _ = fs::remove_file(&tmp);
-        return Err(e);
-    }
-    drop(f);
-    if fs::symlink_metadata(&path).is_ok() {
-        let bak_tmp = dir.join("state.json.bak.tmp");
-        let _ = fs::remove_file(&bak_tmp);
-        fs::hard_link(&path, &bak_tmp)?;
-        fs::rename(&bak_tmp, dir.join(BACKUP_FILE))?;
-    }
-    fs::rename(&tmp, &path)?;
-    File::open(dir)?.sync_all()
-}
+mod format;
+use format::write_atomic;
+pub use format::{
+    BACKUP_FILE, STATE_FILE, STATE_VERSION, SavedClass, SavedDisk, SavedIo, SavedVm, StateFile,
+    parse_state, read_state,
+};
 
 /// Where the state goes and which VMs are meant to run. Its lock is held
 /// across each change and its write.

@@ -340,7 +340,11 @@ impl Manager {
     /// Sets or removes a VM's own CPU cap (percent of one CPU), live: the
     /// gate backend's policy and the cgroup backend (`cpu.max` of the VM's
     /// group) apply it from their next tick / at once.
-    pub(super) fn set_vm_cap_live(&self, name: &str, cap: Option<u32>) -> Result<VmInfo, ManagerError> {
+    pub(super) fn set_vm_cap_live(
+        &self,
+        name: &str,
+        cap: Option<u32>,
+    ) -> Result<VmInfo, ManagerError> {
         let e = {
             let st = lock(&self.state);
             let e = st
