@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::manager::{DiskConfig, IoLimits, VmRequest};
+use crate::manager::{DiskRequest, IoLimits, VmRequest};
 
 /// The format this build writes and reads.
 pub const STATE_VERSION: u32 = 1;
@@ -162,7 +162,7 @@ impl SavedVm {
             disks: self
                 .disks
                 .iter()
-                .map(|d| DiskConfig {
+                .map(|d| DiskRequest {
                     id: d.id.clone(),
                     path: d.path.clone(),
                     read_only: d.readonly,
