@@ -28,9 +28,10 @@ use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 use crate::control::Control;
 use crate::handle::VmHandle;
 use crate::seccomp::{ThreadKind, VmFaults};
+use crate::shared::VcpuStats;
 use crate::shared::{self, AttachedDisk, Shared};
 use crate::util::{lock, monotonic_ns};
-use crate::vcpu::{self, VcpuStats};
+use crate::vcpu;
 use crate::vm::{
     DiskConfig, ExitReason, KernelSource, OpenFiles, VIRTIO_IRQS, VmConfig, VmError, validate,
 };

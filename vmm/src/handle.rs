@@ -14,8 +14,8 @@ use vm_memory::{GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion};
 use crate::control::Control;
 use crate::hostfile::HostFile;
 use crate::shared::Shared;
+use crate::shared::VcpuStats;
 use crate::util::lock;
-use crate::vcpu::VcpuStats;
 use crate::vm::{DiskStatus, ExitReason, VmError};
 
 /// A running VM.

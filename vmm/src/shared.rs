@@ -4,7 +4,7 @@
 
 use std::cell::Cell;
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 
 use corral_devices::acpi_pm::AcpiPm;
@@ -15,14 +15,8 @@ use vmm_sys_util::eventfd::EventFd;
 
 use crate::control::Control;
 use crate::seccomp::{ThreadKind, VmFaults};
-use crate::util::lock;
-use crate::vcpu::VcpuStats;
+use crate::util::{kick_signal, lock};
 use crate::vm::{DiskConfig, ExitReason, ThreadFault};
-
-/// The real-time signal used to kick vCPU threads out of `KVM_RUN`.
-pub fn kick_signal() -> libc::c_int {
-    libc::SIGRTMIN() + 1
-}
 
 thread_local! {
     /// This thread's `kvm_run` area, for the kick signal handler.
@@ -82,6 +76,41 @@ impl KickTarget {
 impl Drop for KickTarget {
     fn drop(&mut self) {
         KVM_RUN.with(|c| c.set(std::ptr::null_mut()));
+    }
+}
+
+/// Exit counters of one vCPU, by reason.
+#[derive(Debug, Default)]
+pub struct VcpuStats {
+    /// Port reads.
+    pub io_in: AtomicU64,
+    /// Port writes.
+    pub io_out: AtomicU64,
+    /// MMIO reads.
+    pub mmio_read: AtomicU64,
+    /// MMIO writes.
+    pub mmio_write: AtomicU64,
+    /// HLT exits (rare with the in-kernel irqchip).
+    pub hlt: AtomicU64,
+    /// Returns to user space because of a signal (kicks).
+    pub interrupted: AtomicU64,
+    /// Other exits.
+    pub other: AtomicU64,
+}
+
+impl VcpuStats {
+    /// (reason, count) pairs, for metrics.
+    pub fn snapshot(&self) -> [(&'static str, u64); 7] {
+        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        [
+            ("io_in", l(&self.io_in)),
+            ("io_out", l(&self.io_out)),
+            ("mmio_read", l(&self.mmio_read)),
+            ("mmio_write", l(&self.mmio_write)),
+            ("hlt", l(&self.hlt)),
+            ("interrupted", l(&self.interrupted)),
+            ("other", l(&self.other)),
+        ]
     }
 }
 

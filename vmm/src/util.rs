@@ -23,6 +23,12 @@ pub fn monotonic_ns() -> u64 {
         .saturating_add(ts.tv_nsec as u64)
 }
 
+/// The real-time signal used to kick vCPU threads out of `KVM_RUN` (its
+/// handler is in `shared.rs`; the seccomp filters allow sending it).
+pub fn kick_signal() -> libc::c_int {
+    libc::SIGRTMIN() + 1
+}
+
 /// Gives the calling thread nice -10 (best effort; needs privileges). Used
 /// by the threads that do little CPU work but must wake on time: a VM's
 /// device thread and the CPU scheduler's thread.

@@ -3,48 +3,14 @@
 //! [`crate::shared`].
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 
 use corral_scheduler::gate::WaitOutcome;
 use kvm_ioctls::{VcpuExit, VcpuFd};
 
+pub use crate::shared::VcpuStats;
 use crate::shared::{KickTarget, Shared};
 use crate::vm::ExitReason;
-
-/// Exit counters of one vCPU, by reason.
-#[derive(Debug, Default)]
-pub struct VcpuStats {
-    /// Port reads.
-    pub io_in: AtomicU64,
-    /// Port writes.
-    pub io_out: AtomicU64,
-    /// MMIO reads.
-    pub mmio_read: AtomicU64,
-    /// MMIO writes.
-    pub mmio_write: AtomicU64,
-    /// HLT exits (rare with the in-kernel irqchip).
-    pub hlt: AtomicU64,
-    /// Returns to user space because of a signal (kicks).
-    pub interrupted: AtomicU64,
-    /// Other exits.
-    pub other: AtomicU64,
-}
-
-impl VcpuStats {
-    /// (reason, count) pairs, for metrics.
-    pub fn snapshot(&self) -> [(&'static str, u64); 7] {
-        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        [
-            ("io_in", l(&self.io_in)),
-            ("io_out", l(&self.io_out)),
-            ("mmio_read", l(&self.mmio_read)),
-            ("mmio_write", l(&self.mmio_write)),
-            ("hlt", l(&self.hlt)),
-            ("interrupted", l(&self.interrupted)),
-            ("other", l(&self.other)),
-        ]
-    }
-}
 
 fn regs_summary(vcpu: &VcpuFd) -> String {
     let mut s = String::new();

@@ -161,7 +161,7 @@ fn block_process_signals(kind: ThreadKind) -> Result<(), SeccompError> {
         let mut set: libc::sigset_t = std::mem::zeroed();
         libc::sigfillset(&mut set);
         for sig in [
-            crate::shared::kick_signal(),
+            crate::util::kick_signal(),
             libc::SIGSYS,
             libc::SIGSEGV,
             libc::SIGBUS,

@@ -163,7 +163,7 @@ fn common(r: &mut Rules) {
 /// parking a VM kicks its vCPUs (seen on vCPU threads for a guest reset and
 /// on the scheduler thread for parks).
 fn kicks(r: &mut Rules) {
-    let sig = crate::shared::kick_signal() as u64;
+    let sig = crate::util::kick_signal() as u64;
     r.insert(
         libc::SYS_tgkill,
         vec![rule(vec![cond(2, Len::Dword, Op::Eq, sig)])],
