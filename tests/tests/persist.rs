@@ -2,7 +2,9 @@
 //! definitions and live changes are in `state.json` in the state directory
 //! before the API answers; a daemon killed with SIGKILL and started again
 //! on the directory has them back, its VMs stopped (`daemon_restarted`) and
-//! `start` runs them. A corrupt or unknown state file is refused (and
+//! `start` runs them. Killed during a stream of class changes, creates and
+//! deletes, it comes back with what the API last answered or the change in
+//! flight, nothing in between. A corrupt or unknown state file is refused (and
 //! `--state-from-backup` loads the previous one); a write that fails
 //! (disk full) answers 507 and changes nothing. Two daemons on one state
 //! directory: `security_api::state_dir_is_locked`.
@@ -332,4 +334,88 @@ fn a_full_disk_fails_the_request_with_507_and_changes_nothing() {
     assert_eq!(get(&d, "/v1/classes/kept")["shares"], 900);
     assert_eq!(d.req("GET", "/v1/classes/lost", None).status, 404);
     assert!(get(&d, "/v1/vms/vm")["cap"].is_null());
+}
+
+#[test]
+fn kill9_during_changes_leaves_the_last_answered_state_or_the_one_in_flight() {
+    use std::collections::BTreeSet;
+    use std::sync::Mutex;
+    let dir = state_dir("inflight");
+    let d = start_on(&dir, &[]);
+    ok(&d, "POST", "/v1/classes", json!({"name": "c", "shares": 1}));
+    // What the API answered: the class's shares, the VMs created and not
+    // deleted; and the one change in flight when the daemon died.
+    let acked = Mutex::new((1u64, BTreeSet::<String>::new()));
+    let inflight = Mutex::new(String::new());
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                for i in 2u64.. {
+                    *inflight.lock().unwrap() = format!("shares {i}");
+                    let body = json!({"shares": i}).to_string();
+                    if d.req("PATCH", "/v1/classes/c", Some(&body)).status != 200 {
+                        return;
+                    }
+                    acked.lock().unwrap().0 = i;
+                    let name = format!("t{i}");
+                    *inflight.lock().unwrap() = format!("create {name}");
+                    let r = d.req("POST", "/v1/vms", Some(&spin_vm(&name, "c", 1, 16, 30)));
+                    if r.status != 201 {
+                        return;
+                    }
+                    acked.lock().unwrap().1.insert(name);
+                    if i % 3 == 0 {
+                        let old = format!("t{}", i - 1);
+                        *inflight.lock().unwrap() = format!("delete {old}");
+                        if d.req("DELETE", &format!("/v1/vms/{old}"), None).status != 204 {
+                            return;
+                        }
+                        acked.lock().unwrap().1.remove(&old);
+                    }
+                }
+            }));
+            drop(result); // the daemon died under a request
+        });
+        std::thread::sleep(Duration::from_millis(700));
+        // SAFETY: kill(2) on our own child.
+        unsafe {
+            libc::kill(d.child.id() as i32, libc::SIGKILL);
+        }
+    });
+    drop(d);
+    let (shares, vms) = acked.into_inner().unwrap();
+    let inflight = inflight.into_inner().unwrap();
+    assert!(shares > 3, "too few changes before the kill ({shares})");
+    let d = start_on(&dir, &[]);
+    let got = get(&d, "/v1/classes/c")["shares"].as_u64().unwrap();
+    let listed: BTreeSet<String> = get(&d, "/v1/vms")
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v["name"].as_str().unwrap().to_string())
+        .collect();
+    let diff: Vec<&String> = listed.symmetric_difference(&vms).collect();
+    match inflight.split_once(' ') {
+        Some(("shares", n)) => {
+            assert!(
+                got == shares || got.to_string() == n,
+                "{got} vs {shares}/{n}"
+            );
+            assert!(diff.is_empty(), "{diff:?} (in flight: {inflight})");
+        }
+        Some((_, name)) => {
+            assert_eq!(got, shares);
+            assert!(
+                diff.iter().all(|n| *n == name),
+                "{diff:?} (in flight: {inflight})"
+            );
+        }
+        None => panic!("nothing was in flight"),
+    }
+    eprintln!(
+        "killed during {inflight:?}: shares {got}, {} VMs",
+        listed.len()
+    );
+    drop(d);
+    let _ = std::fs::remove_dir_all(&dir);
 }
