@@ -67,7 +67,7 @@ pub struct Job {
     /// A disk with its limits.
     pub disk: Option<(PathBuf, IoLimits)>,
     /// The disk is attached read-only.
-    pub disk_readonly: bool,
+    pub disk_read_only: bool,
     /// Kernel and initramfs; `None` = the built-in probe.
     pub kernel: Option<(PathBuf, PathBuf)>,
     /// The guest's protocol.
@@ -98,7 +98,7 @@ impl Job {
             vcpus,
             memory_mib,
             disk,
-            disk_readonly: false,
+            disk_read_only: false,
             kernel: None,
             guest: Guest::Probe,
             timeout: None,
@@ -113,7 +113,7 @@ impl Job {
             vcpus: job.vcpus,
             memory_mib: job.memory_mib,
             disk: Some((job.rootfs.clone(), IoLimits::default())),
-            disk_readonly: true,
+            disk_read_only: true,
             kernel: Some((job.kernel.clone(), job.initrd.clone())),
             guest: Guest::Kbuild,
             timeout: Some(Duration::from_secs(job.timeout_s)),
@@ -201,7 +201,7 @@ impl Vm {
                 .map(|(p, l)| DiskRequest {
                     id: "disk0".into(),
                     path: p.clone(),
-                    read_only: job.disk_readonly,
+                    read_only: job.disk_read_only,
                     direct: false,
                     limits: *l,
                 })

@@ -318,10 +318,10 @@ fn one_writer_or_many_readers_per_image() {
     let img = t.images.join("disk.img");
     std::fs::write(&img, vec![0u8; 1 << 20]).unwrap();
     let d = t.daemon(&[]);
-    let vm = |name: &str, readonly: bool| {
+    let vm = |name: &str, read_only: bool| {
         let body = json!({"name": name, "memory_mib": 32,
             "cmdline": "probe.mode=spin probe.secs=30 probe.interval_ms=500",
-            "disks": [{"path": s(&img), "readonly": readonly}]});
+            "disks": [{"path": s(&img), "readonly": read_only}]});
         d.req("POST", "/v1/vms", Some(&body.to_string()))
     };
     assert_eq!(vm("w1", false).status, 201);
