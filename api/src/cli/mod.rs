@@ -158,13 +158,28 @@ pub async fn vm(c: &Client, cmd: VmCmd, json: bool) -> R {
                 )));
             }
             let body = serde_json::json!({ "timeout_seconds": timeout });
-            let v: dto::Vm = c
+            let _: dto::Vm = c
                 .json(
                     Method::POST,
                     &format!("/v1/vms/{}/shutdown", seg(&name)),
                     Some(&body),
                 )
                 .await?;
+            // The daemon answers at once and waits in the background: follow
+            // the VM until its run has ended (the hard stop comes at the
+            // timeout, so a little longer is plenty).
+            let path = format!("/v1/vms/{}", seg(&name));
+            let deadline =
+                std::time::Instant::now() + std::time::Duration::from_secs_f64(timeout + 10.0);
+            let v: dto::Vm = loop {
+                let v: dto::Vm = c.get(&path).await?;
+                if !matches!(v.state.as_str(), "running" | "paused")
+                    || std::time::Instant::now() > deadline
+                {
+                    break v;
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            };
             if json {
                 print_json(&v);
             } else if v.state == "shutdown" {

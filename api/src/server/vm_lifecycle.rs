@@ -103,11 +103,29 @@ async fn reboot(
     Ok(Json(v.into()))
 }
 
+/// VMs with a shutdown in progress: one background wait per VM at most, so
+/// the waits are bounded by the number of VMs (not by how often a client
+/// asks).
+static SHUTTING_DOWN: std::sync::Mutex<std::collections::BTreeSet<String>> =
+    std::sync::Mutex::new(std::collections::BTreeSet::new());
+
+fn shutting_down() -> std::sync::MutexGuard<'static, std::collections::BTreeSet<String>> {
+    SHUTTING_DOWN
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// `POST /v1/vms/{name}/shutdown`: presses the power button and answers at
+/// once (202, the VM as it is now); the daemon waits up to the timeout in
+/// the background and stops the VM hard if the guest has not powered off by
+/// then. Clients that want the outcome poll `GET /v1/vms/{name}` (`corral vm
+/// shutdown` does). No request waits for the guest: a slow guest cannot tie
+/// up the API's connections.
 async fn shutdown(
     State(s): State<AppState>,
     ApiPath(name): ApiPath<String>,
     JsonOrDefault(body): JsonOrDefault<Shutdown>,
-) -> ApiResult<Json<dto::Vm>> {
+) -> ApiResult<(axum::http::StatusCode, Json<dto::Vm>)> {
     let secs = body.timeout_seconds.unwrap_or(DEFAULT_SHUTDOWN_TIMEOUT_S);
     let max = corral_vmm::manager::MAX_SHUTDOWN_TIMEOUT.as_secs_f64();
     if !(0.0..=max).contains(&secs) {
@@ -115,11 +133,18 @@ async fn shutdown(
             "timeout_seconds must be in 0..={max}"
         )));
     }
-    let v = blocking(&s.mgr, move |m| {
-        m.shutdown_vm(&name, Duration::from_secs_f64(secs))
-    })
-    .await?;
-    Ok(Json(v.into()))
+    let n = name.clone();
+    let now = blocking(&s.mgr, move |m| m.get_vm(&n)).await?;
+    if shutting_down().insert(name.clone()) {
+        let mgr = s.mgr.clone();
+        tokio::task::spawn_blocking(move || {
+            if let Err(e) = mgr.shutdown_vm(&name, Duration::from_secs_f64(secs)) {
+                tracing::warn!(vm = %name, "shutdown: {e}");
+            }
+            shutting_down().remove(&name);
+        });
+    }
+    Ok((axum::http::StatusCode::ACCEPTED, Json(now.into())))
 }
 
 /// `POST /v1/vms/{name}/console`: types text on the guest's serial port.
