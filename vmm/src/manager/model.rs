@@ -11,24 +11,34 @@ pub fn default_memory_budget_mib(host_mib: u64) -> u64 {
 }
 
 /// Throttle limits of a disk or an I/O group. `None` (or 0) = no limit.
-/// Same meaning as `corral_blkthrottle::Limits`.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+/// Same meaning as `corral_blkthrottle::Limits`. Also the state file's form
+/// (absent = none), so the daemon's model and what it saves are one type.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct IoLimits {
     /// Total bytes per second.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bps: Option<u64>,
     /// Total operations per second.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub iops: Option<u64>,
     /// Read bytes per second.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rbps: Option<u64>,
     /// Write bytes per second.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub wbps: Option<u64>,
     /// Read operations per second.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub riops: Option<u64>,
     /// Write operations per second.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub wiops: Option<u64>,
     /// Bucket size of the byte buckets.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub burst_bytes: Option<u64>,
     /// Bucket size of the op buckets.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub burst_ops: Option<u64>,
 }
 

@@ -73,7 +73,7 @@ impl Manager {
                     shares: spec.shares,
                     cap: spec.cap,
                     reservation: spec.reservation,
-                    io: st.class_io.get(name).copied().unwrap_or_default().into(),
+                    io: st.class_io.get(name).copied().unwrap_or_default(),
                 })
                 .collect()
         };
@@ -115,7 +115,7 @@ impl Manager {
                             path: d.config.path.clone(),
                             readonly: d.config.read_only,
                             direct: d.config.direct,
-                            limits: d.config.limits.into(),
+                            limits: d.config.limits,
                         })
                         .collect(),
                     running: p.wanted.contains(&e.name),
@@ -430,8 +430,7 @@ impl Manager {
             };
             cpu.validate()
                 .map_err(|e| bad(format!("class {:?}: {e}", c.name)))?;
-            IoLimits::from(c.io)
-                .validate()
+            c.io.validate()
                 .map_err(|e| bad(format!("class {:?}: {e}", c.name)))?;
         }
         let mut vms = BTreeSet::new();
@@ -464,7 +463,7 @@ impl Manager {
                     cap: c.cap,
                     reservation: c.reservation,
                 },
-                io: c.io.into(),
+                io: c.io,
             };
             self.set_class_in_live(&c.name, cfg, c.parent.as_deref())
                 .map_err(|e| bad(format!("class {:?}: {e}", c.name)))?;

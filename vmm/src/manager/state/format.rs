@@ -28,78 +28,9 @@ pub struct StateFile {
     pub vms: Vec<SavedVm>,
 }
 
-/// I/O limits (absent = none).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-#[allow(missing_docs)]
-pub struct SavedIo {
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub bps: Option<u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub iops: Option<u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub rbps: Option<u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub wbps: Option<u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub riops: Option<u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub wiops: Option<u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub burst_bytes: Option<u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub burst_ops: Option<u64>,
-}
-
-impl From<IoLimits> for SavedIo {
-    fn from(l: IoLimits) -> Self {
-        let IoLimits {
-            bps,
-            iops,
-            rbps,
-            wbps,
-            riops,
-            wiops,
-            burst_bytes,
-            burst_ops,
-        } = l;
-        Self {
-            bps,
-            iops,
-            rbps,
-            wbps,
-            riops,
-            wiops,
-            burst_bytes,
-            burst_ops,
-        }
-    }
-}
-
-impl From<SavedIo> for IoLimits {
-    fn from(l: SavedIo) -> Self {
-        let SavedIo {
-            bps,
-            iops,
-            rbps,
-            wbps,
-            riops,
-            wiops,
-            burst_bytes,
-            burst_ops,
-        } = l;
-        Self {
-            bps,
-            iops,
-            rbps,
-            wbps,
-            riops,
-            wiops,
-            burst_bytes,
-            burst_ops,
-        }
-    }
-}
+/// I/O limits (absent = none): the manager's own type, which serialises as
+/// the state file wants it.
+pub type SavedIo = IoLimits;
 
 /// A class.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -167,7 +98,7 @@ impl SavedVm {
                     path: d.path.clone(),
                     read_only: d.readonly,
                     direct: d.direct,
-                    limits: d.limits.into(),
+                    limits: d.limits,
                 })
                 .collect(),
         }
