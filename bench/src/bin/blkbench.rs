@@ -1,7 +1,7 @@
 //! virtio-blk throughput and throttle overhead on real VMs, guest-measured.
 //!
 //! ```sh
-//! cargo build --release -p corral-api -p corral-tests
+//! cargo build --release -p corral-api -p corral-bench
 //! target/x86_64-unknown-linux-gnu/release/blkbench [RUNS] [--pairs N] [--poll-ab US]
 //! ```
 //!

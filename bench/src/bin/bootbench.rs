@@ -2,7 +2,7 @@
 //! process's RSS at that moment. Usage:
 //!
 //! ```sh
-//! cargo build --release -p corral-api -p corral-tests
+//! cargo build --release -p corral-api -p corral-bench
 //! target/x86_64-unknown-linux-gnu/release/bootbench [RUNS] [VCPUS] [MEMORY_MIB]
 //! ```
 //!

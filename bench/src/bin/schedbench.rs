@@ -1,7 +1,7 @@
 //! CPU scheduler figures on real VMs (release build):
 //!
 //! ```sh
-//! cargo build --release -p corral-api -p corral-tests
+//! cargo build --release -p corral-api -p corral-bench
 //! target/x86_64-unknown-linux-gnu/release/schedbench
 //! ```
 //!
