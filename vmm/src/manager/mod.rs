@@ -85,6 +85,44 @@ struct Entry {
 }
 
 impl Entry {
+    /// A VM entry for `request` (already validated), run by `handle`;
+    /// `reaped` when the handle holds nothing to give back (a definition
+    /// reloaded after a restart).
+    fn new(
+        id: VmId,
+        name: String,
+        cmdline: String,
+        handle: VmHandle,
+        request: VmRequest,
+        reaped: bool,
+    ) -> Self {
+        Entry {
+            id,
+            name,
+            cmdline,
+            handle,
+            created: SystemTime::now(),
+            class: Mutex::new(request.class.clone()),
+            weight: AtomicU32::new(request.weight),
+            cap: AtomicU32::new(request.cap.unwrap_or(0)),
+            disks: Mutex::new(
+                request
+                    .disks
+                    .iter()
+                    .map(|d| DiskInfo {
+                        config: d.clone(),
+                        capacity_bytes: 0,
+                        stats: None,
+                        group: None,
+                    })
+                    .collect(),
+            ),
+            cpu_ns: Mutex::new(vec![0; request.vcpus as usize]),
+            reaped: std::sync::atomic::AtomicBool::new(reaped),
+            request,
+        }
+    }
+
     fn state(&self) -> (VmState, Option<ExitReason>) {
         match self.handle.exit_reason() {
             None if self.handle.is_paused() => (VmState::Paused, None),

@@ -13,9 +13,9 @@
 
 use std::collections::BTreeSet;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
 
 use super::{
     ClassConfig, ClassInfo, DiskInfo, Entry, IoLimits, Manager, ManagerError, State, VmInfo,
@@ -472,30 +472,9 @@ impl Manager {
             let mut st = lock(&self.state);
             for (v, req) in reqs {
                 let handle = VmHandle::defined(&v.name, ExitReason::DaemonRestarted)?;
-                let entry = Entry {
-                    id: VmId(st.next_id),
-                    name: v.name.clone(),
-                    cmdline: req.cmdline.clone().unwrap_or_default(),
-                    handle,
-                    created: SystemTime::now(),
-                    class: Mutex::new(v.class.clone()),
-                    weight: AtomicU32::new(v.weight),
-                    cap: AtomicU32::new(v.cap.unwrap_or(0)),
-                    disks: Mutex::new(
-                        req.disks
-                            .iter()
-                            .map(|d| DiskInfo {
-                                config: d.clone(),
-                                capacity_bytes: 0,
-                                stats: None,
-                                group: None,
-                            })
-                            .collect(),
-                    ),
-                    cpu_ns: Mutex::new(vec![0; req.vcpus as usize]),
-                    reaped: AtomicBool::new(true),
-                    request: req,
-                };
+                let cmdline = req.cmdline.clone().unwrap_or_default();
+                let entry =
+                    Entry::new(VmId(st.next_id), v.name.clone(), cmdline, handle, req, true);
                 st.next_id += 1;
                 st.vms.insert(v.name.clone(), Arc::new(entry));
             }

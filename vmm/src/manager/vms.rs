@@ -269,31 +269,7 @@ impl Manager {
         st.starting.remove(&name);
         match result {
             Ok((handle, cmdline)) => {
-                let n = usize::from(req.vcpus as u8);
-                let entry = Arc::new(Entry {
-                    id,
-                    name: name.clone(),
-                    cmdline,
-                    handle,
-                    created: SystemTime::now(),
-                    class: Mutex::new(req.class.clone()),
-                    weight: AtomicU32::new(req.weight),
-                    cap: AtomicU32::new(req.cap.unwrap_or(0)),
-                    disks: Mutex::new(
-                        req.disks
-                            .iter()
-                            .map(|d| DiskInfo {
-                                config: d.clone(),
-                                capacity_bytes: 0,
-                                stats: None,
-                                group: None,
-                            })
-                            .collect(),
-                    ),
-                    cpu_ns: Mutex::new(vec![0; n]),
-                    reaped: std::sync::atomic::AtomicBool::new(false),
-                    request: req,
-                });
+                let entry = Arc::new(Entry::new(id, name.clone(), cmdline, handle, req, false));
                 st.vms.insert(name, entry.clone());
                 drop(st);
                 let stats = self.sched().stats();
