@@ -209,7 +209,7 @@ fn build_disks(cfg: &VmConfig, files: &OpenFiles) -> Result<Vec<BuiltDisk>, VmEr
             if let Some((g, w)) = &d.group {
                 t.join_group(g, *w, None).map_err(|e| disk_err(&e))?;
             }
-            block.set_gate(Some(Box::new(t)));
+            block.set_throttle(Some(Box::new(t)));
         }
         built.push(BuiltDisk {
             name,

@@ -84,7 +84,7 @@ impl Wake {
             msg,
         };
         match b
-            .gate_mut()
+            .throttle_mut()
             .and_then(|g| g.as_any_mut().downcast_mut::<Throttle>())
         {
             Some(t) => t.set_limits(&limits, now).map_err(|e| err(e.to_string()))?,
@@ -93,12 +93,12 @@ impl Wake {
                     return Ok(());
                 }
                 let t = Throttle::new(&limits, now).map_err(|e| err(e.to_string()))?;
-                // set_gate re-polls a waiting request against the new gate.
-                b.set_gate(Some(Box::new(t)));
+                // set_throttle re-polls a waiting request against the new throttle.
+                b.set_throttle(Some(Box::new(t)));
                 return Ok(());
             }
         }
-        b.gate_changed();
+        b.throttle_changed();
         Ok(())
     }
 }
@@ -118,20 +118,20 @@ impl Wake {
         let mut b = lock(block);
         let now = monotonic_ns();
         if let Some(t) = b
-            .gate_mut()
+            .throttle_mut()
             .and_then(|g| g.as_any_mut().downcast_mut::<Throttle>())
         {
             match &group {
                 Some((g, w)) => t.join_group(g, *w, None).map_err(|e| err(e.to_string()))?,
                 None => t.leave_group(),
             }
-            b.gate_changed();
+            b.throttle_changed();
             return Ok(());
         }
         if let Some((g, w)) = group {
             let mut t = Throttle::new(&Limits::default(), now).map_err(|e| err(e.to_string()))?;
             t.join_group(&g, w, None).map_err(|e| err(e.to_string()))?;
-            b.set_gate(Some(Box::new(t)));
+            b.set_throttle(Some(Box::new(t)));
         }
         Ok(())
     }

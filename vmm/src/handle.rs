@@ -111,7 +111,7 @@ impl VmHandle {
                 let mut b = lock(block);
                 let capacity_bytes = b.capacity_sectors() * 512;
                 let (stats, limits, group) = match b
-                    .gate_mut()
+                    .throttle_mut()
                     .and_then(|g| g.as_any_mut().downcast_mut::<Throttle>())
                 {
                     Some(t) => (

@@ -60,9 +60,9 @@ mod tests {
 
     #[test]
     fn monotonic_ns_matches_the_devices_clock() {
-        let a = corral_devices::virtio::blk::gate::monotonic_ns();
+        let a = corral_devices::virtio::blk::throttle::monotonic_ns();
         let b = monotonic_ns();
-        let c = corral_devices::virtio::blk::gate::monotonic_ns();
+        let c = corral_devices::virtio::blk::throttle::monotonic_ns();
         assert!(a <= b && b <= c, "{a} {b} {c}");
     }
 }

@@ -9,11 +9,11 @@ impl MutEventSubscriber for Block {
         match events.data() {
             TIMER_TOKEN => {
                 self.timer.drain();
-                self.timer.fired(super::gate::monotonic_ns());
+                self.timer.fired(super::throttle::monotonic_ns());
                 self.process_queue();
             }
             0 => {
-                // Drain the notification; if the gate holds a request,
+                // Drain the notification; if the throttle holds a request,
                 // process_queue returns at once (the timer resumes us).
                 let _ = self.queue_evts[0].read();
                 self.process_queue_polling();

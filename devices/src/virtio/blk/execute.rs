@@ -3,10 +3,10 @@
 use virtio_queue::QueueT;
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 
-use super::gate::{Nanos, OpKind, RequestGate, monotonic_ns};
 use super::queue::break_ring;
 use super::request::{self, Malformed, Request, RequestType};
 use super::stats::add;
+use super::throttle::{Nanos, OpKind, RequestThrottle, monotonic_ns};
 use super::{
     Active, Engine, MAX_DISCARD_SECTORS, MAX_DISCARD_SEG, SECTOR_SIZE, WZ_UNMAP, blk_status,
     feature,
@@ -58,7 +58,7 @@ impl Engine {
     pub(super) fn complete(
         &mut self,
         act: &mut Active,
-        gate: Option<&mut (dyn RequestGate + 'static)>,
+        throttle: Option<&mut (dyn RequestThrottle + 'static)>,
         req: &Request,
         taken_at: Nanos,
     ) {
@@ -71,7 +71,7 @@ impl Engine {
         // Used length: bytes written into the chain, status included.
         let len = u32::try_from(written).map_or(u32::MAX, |w| w.saturating_add(1));
         self.finish(act, req.head, Some((req.status, status)), len);
-        if let Some(g) = gate {
+        if let Some(g) = throttle {
             let kind = match req.kind {
                 RequestType::In => OpKind::Read,
                 RequestType::Out => OpKind::Write,

@@ -24,11 +24,11 @@ pub mod backend;
 pub mod chain;
 mod event;
 mod execute;
-pub mod gate;
 mod queue;
 pub mod request;
 pub mod spec;
 mod stats;
+pub mod throttle;
 
 use std::sync::Arc;
 
@@ -37,15 +37,15 @@ use vm_memory::GuestMemoryMmap;
 use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 
 pub use backend::{DiskError, DiskFile, SECTOR_SIZE};
-pub use gate::{GateTimer, RequestGate};
 pub use queue::POLL_NS;
 pub use request::{Malformed, ParseError, Request, RequestType, Segment};
 pub use spec::{DiskSpec, DiskSpecError};
 pub use stats::BlockStats;
+pub use throttle::{RequestThrottle, ThrottleTimer};
 
 use super::{ActivateError, Activation, Interrupt, VirtioDevice, device_type, features};
 use crate::guest_log::GuestLog;
-use gate::Nanos;
+use throttle::Nanos;
 
 /// Size of the request queue.
 pub const QUEUE_SIZE: u16 = 256;
@@ -95,7 +95,7 @@ pub struct BlockOptions {
     pub serial: String,
 }
 
-/// A request waiting for the gate.
+/// A request waiting for the throttle.
 struct Waiting {
     req: Request,
     taken_at: Nanos,
@@ -126,8 +126,8 @@ pub struct Block {
     config: [u8; CONFIG_LEN],
     queue_max: [u16; 1],
     queue_evts: [EventFd; 1],
-    timer: GateTimer,
-    gate: Option<Box<dyn RequestGate>>,
+    timer: ThrottleTimer,
+    throttle: Option<Box<dyn RequestThrottle>>,
     active: Option<Active>,
     /// How long to keep polling the available ring after serving it (ns).
     poll_ns: u64,
@@ -211,8 +211,8 @@ impl Block {
             config,
             queue_max: [QUEUE_SIZE],
             queue_evts: [EventFd::new(EFD_NONBLOCK).map_err(BlockError::Fd)?],
-            timer: GateTimer::new().map_err(BlockError::Fd)?,
-            gate: None,
+            timer: ThrottleTimer::new().map_err(BlockError::Fd)?,
+            throttle: None,
             active: None,
             poll_ns: queue::poll_ns(),
         })
@@ -247,39 +247,39 @@ impl Block {
         self.engine.disk.capacity() / SECTOR_SIZE
     }
 
-    /// Installs (or removes) the throttling gate. A request waiting for the
-    /// old gate is re-polled against the new one.
-    pub fn set_gate(&mut self, gate: Option<Box<dyn RequestGate>>) {
-        if let (Some(old), Some(a)) = (self.gate.as_mut(), self.active.as_ref())
+    /// Installs (or removes) the throttle. A request waiting for the
+    /// old throttle is re-polled against the new one.
+    pub fn set_throttle(&mut self, throttle: Option<Box<dyn RequestThrottle>>) {
+        if let (Some(old), Some(a)) = (self.throttle.as_mut(), self.active.as_ref())
             && a.waiting.is_some()
         {
             old.cancel();
             old.note_dequeued();
         }
-        self.gate = gate;
+        self.throttle = throttle;
         if let Some(a) = self.active.as_ref()
             && a.waiting.is_some()
-            && let Some(g) = self.gate.as_mut()
+            && let Some(g) = self.throttle.as_mut()
         {
             g.note_enqueued();
         }
-        self.gate_changed();
+        self.throttle_changed();
     }
 
-    /// The gate, e.g. to change limits (downcast with
-    /// [`RequestGate::as_any_mut`]); call [`Block::gate_changed`] afterwards.
-    pub fn gate_mut(&mut self) -> Option<&mut (dyn RequestGate + 'static)> {
-        self.gate.as_deref_mut()
+    /// The throttle, e.g. to change limits (downcast with
+    /// [`RequestThrottle::as_any_mut`]); call [`Block::throttle_changed`] afterwards.
+    pub fn throttle_mut(&mut self) -> Option<&mut (dyn RequestThrottle + 'static)> {
+        self.throttle.as_deref_mut()
     }
 
     /// Re-polls a waiting request now (after a live limit change) and
     /// resumes the queue if it is admitted.
-    pub fn gate_changed(&mut self) {
+    pub fn throttle_changed(&mut self) {
         self.process_queue();
     }
 
     /// The throttle timer (registered by [`Block`]'s subscriber `init`).
-    pub fn timer(&self) -> &GateTimer {
+    pub fn timer(&self) -> &ThrottleTimer {
         &self.timer
     }
 }
@@ -339,7 +339,7 @@ impl VirtioDevice for Block {
     fn reset(&mut self) {
         if let Some(a) = self.active.take()
             && a.waiting.is_some()
-            && let Some(g) = self.gate.as_mut()
+            && let Some(g) = self.throttle.as_mut()
         {
             g.cancel();
             g.note_dequeued();

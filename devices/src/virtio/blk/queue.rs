@@ -1,4 +1,4 @@
-//! Serving the request queue: popping chains, the gate, notification
+//! Serving the request queue: popping chains, the throttle, notification
 //! suppression, polling, and marking a broken queue NEEDS_RESET.
 
 use std::num::Wrapping;
@@ -7,11 +7,11 @@ use std::sync::atomic::Ordering;
 use virtio_queue::{QueueOwnedT, QueueT};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 
-use super::gate::{
-    Decision, GateRequest, GateTimer, Nanos, RequestGate, TIGHT_SLACK_NS, monotonic_ns,
-};
 use super::request::{self, Request, RequestType};
 use super::stats::add;
+use super::throttle::{
+    Decision, Nanos, RequestThrottle, TIGHT_SLACK_NS, ThrottleRequest, ThrottleTimer, monotonic_ns,
+};
 use super::{Active, BUDGET, Block, Engine, Waiting};
 use crate::guest_log::GuestErrorKind;
 use crate::virtio::int;
@@ -19,7 +19,7 @@ use corral_blkthrottle::WaitCause;
 
 impl Block {
     /// Serves the request queue: the waiting request first, then the
-    /// available ring, until it is empty, the gate says wait, or the budget
+    /// available ring, until it is empty, the throttle says wait, or the budget
     /// is spent (then the queue's eventfd is re-signalled to come back).
     pub fn process_queue(&mut self) {
         let Some(act) = self.active.as_mut() else {
@@ -29,15 +29,15 @@ impl Block {
             return;
         }
         let mut used_any = false;
-        let now = if self.gate.is_some() {
+        let now = if self.throttle.is_some() {
             monotonic_ns()
         } else {
             0
         };
 
-        // The request the gate held back, if any.
+        // The request the throttle held back, if any.
         if let Some(w) = act.waiting.take() {
-            let g = self.gate.as_mut();
+            let g = self.throttle.as_mut();
             match admit(g, &self.timer, &w.req, now) {
                 Some(until) => {
                     act.waiting = Some(w);
@@ -45,11 +45,11 @@ impl Block {
                     return;
                 }
                 None => {
-                    if let Some(g) = self.gate.as_mut() {
+                    if let Some(g) = self.throttle.as_mut() {
                         g.note_dequeued();
                     }
                     self.engine
-                        .complete(act, self.gate.as_deref_mut(), &w.req, w.taken_at);
+                        .complete(act, self.throttle.as_deref_mut(), &w.req, w.taken_at);
                     used_any = true;
                 }
             }
@@ -95,9 +95,9 @@ impl Block {
                     }
                 };
                 let taken_at = now;
-                if let Some(until) = admit(self.gate.as_mut(), &self.timer, &req, now) {
+                if let Some(until) = admit(self.throttle.as_mut(), &self.timer, &req, now) {
                     add(&self.engine.stats.throttled, 1);
-                    if let Some(g) = self.gate.as_mut() {
+                    if let Some(g) = self.throttle.as_mut() {
                         g.note_enqueued();
                     }
                     act.waiting = Some(Waiting { req, taken_at });
@@ -105,7 +105,7 @@ impl Block {
                     break 'outer;
                 }
                 self.engine
-                    .complete(act, self.gate.as_deref_mut(), &req, taken_at);
+                    .complete(act, self.throttle.as_deref_mut(), &req, taken_at);
                 if act.broken {
                     return;
                 }
@@ -223,25 +223,25 @@ pub(super) fn avail_no_interrupt(mem: &GuestMemoryMmap, avail_ring: u64) -> bool
         .unwrap_or(false)
 }
 
-/// Asks the gate; `Some(at)` if the request must wait, `at` being when to
+/// Asks the throttle; `Some(at)` if the request must wait, `at` being when to
 /// arm the timer. For a *tight* wait (the throttle's slack is shorter than
 /// [`TIGHT_SLACK_NS`]: a bucket about one request deep, where a late poll
 /// loses rate that no admission rule may give back — see the
 /// `corral-blkthrottle` docs, "Lateness") the timer is armed early by its
 /// measured lateness, and the last stretch (at most
-/// [`EARLY_MAX_NS`](super::gate::EARLY_MAX_NS)) is
+/// [`EARLY_MAX_NS`](super::throttle::EARLY_MAX_NS)) is
 /// waited on the clock, so the request goes on its due nanosecond.
 fn admit(
-    gate: Option<&mut Box<dyn RequestGate>>,
-    timer: &GateTimer,
+    throttle: Option<&mut Box<dyn RequestThrottle>>,
+    timer: &ThrottleTimer,
     req: &Request,
     now: Nanos,
 ) -> Option<Nanos> {
-    let g = gate?;
+    let g = throttle?;
     let gr = match req.kind {
-        RequestType::In => GateRequest::read(req.data_len),
-        RequestType::Out => GateRequest::write(req.data_len),
-        _ => GateRequest::other(),
+        RequestType::In => ThrottleRequest::read(req.data_len),
+        RequestType::Out => ThrottleRequest::write(req.data_len),
+        _ => ThrottleRequest::other(),
     };
     let mut now = now;
     // At most one wait on the clock: the throttle's instants are exact.
@@ -267,7 +267,7 @@ fn admit(
     Some(now)
 }
 
-fn arm(timer: &GateTimer, until: Nanos) {
+fn arm(timer: &ThrottleTimer, until: Nanos) {
     if let Err(e) = timer.arm_at(until) {
         tracing::error!("virtio-blk: cannot arm the throttle timer: {e}");
     }

@@ -25,7 +25,7 @@ pub struct BlockStats {
     pub malformed: AtomicU64,
     /// Chains without a status byte (returned with length 0).
     pub no_status: AtomicU64,
-    /// Times a request had to wait for the gate.
+    /// Times a request had to wait for the throttle.
     pub throttled: AtomicU64,
     /// Times the ring was found broken (device set `DEVICE_NEEDS_RESET`).
     pub broken_rings: AtomicU64,

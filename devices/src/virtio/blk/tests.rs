@@ -773,24 +773,24 @@ fn event_idx_suppresses_interrupts() {
     assert_eq!(v, 6);
 }
 
-/// A gate that refuses the first `refuse` polls, then admits; logs polls.
-struct FakeGate {
+/// A throttle that refuses the first `refuse` polls, then admits; logs polls.
+struct FakeThrottle {
     refuse: usize,
-    polls: Arc<Mutex<Vec<gate::GateRequest>>>,
+    polls: Arc<Mutex<Vec<throttle::ThrottleRequest>>>,
     cancelled: Arc<Mutex<usize>>,
 }
 
-impl RequestGate for FakeGate {
-    fn poll(&mut self, req: gate::GateRequest, now: gate::Nanos) -> gate::Decision {
+impl RequestThrottle for FakeThrottle {
+    fn poll(&mut self, req: throttle::ThrottleRequest, now: throttle::Nanos) -> throttle::Decision {
         self.polls.lock().unwrap().push(req);
         if self.refuse > 0 {
             self.refuse -= 1;
-            gate::Decision::Wait {
+            throttle::Decision::Wait {
                 until: now + 1_000_000,
                 cause: corral_blkthrottle::WaitCause::Disk,
             }
         } else {
-            gate::Decision::Admit
+            throttle::Decision::Admit
         }
     }
     fn cancel(&mut self) {
@@ -802,11 +802,11 @@ impl RequestGate for FakeGate {
 }
 
 #[test]
-fn gate_holds_requests_in_order_and_arms_timer() {
+fn throttle_holds_requests_in_order_and_arms_timer() {
     let (_t, mut h) = harness();
     let polls = Arc::new(Mutex::new(Vec::new()));
     let cancelled = Arc::new(Mutex::new(0));
-    lock(&h.block).set_gate(Some(Box::new(FakeGate {
+    lock(&h.block).set_throttle(Some(Box::new(FakeThrottle {
         refuse: 2,
         polls: polls.clone(),
         cancelled: cancelled.clone(),
@@ -821,8 +821,8 @@ fn gate_holds_requests_in_order_and_arms_timer() {
         (STATUS + 1, 1, true),
     ]);
     h.process();
-    assert_eq!(h.ring.used_idx(), 0, "held by the gate");
-    // A notification while waiting does not bypass the gate.
+    assert_eq!(h.ring.used_idx(), 0, "held by the throttle");
+    // A notification while waiting does not bypass the throttle.
     h.process();
     assert_eq!(h.ring.used_idx(), 0);
     // The timer was armed (1 ms ahead): wait for it and "fire".
@@ -846,12 +846,12 @@ fn gate_holds_requests_in_order_and_arms_timer() {
     assert_eq!(h.ring.used(1).0, 3);
     let p = polls.lock().unwrap();
     assert_eq!(p.len(), 4);
-    assert_eq!(p[0], gate::GateRequest::read(4096));
-    assert_eq!(p[3], gate::GateRequest::write(512));
+    assert_eq!(p[0], throttle::ThrottleRequest::read(4096));
+    assert_eq!(p[3], throttle::ThrottleRequest::write(512));
     assert_eq!(h.stats().throttled.load(Ordering::Relaxed), 1);
     drop(p);
-    // A reset while a request waits cancels it at the gate.
-    lock(&h.block).set_gate(Some(Box::new(FakeGate {
+    // A reset while a request waits cancels it at the throttle.
+    lock(&h.block).set_throttle(Some(Box::new(FakeThrottle {
         refuse: 1,
         polls: polls.clone(),
         cancelled: cancelled.clone(),
@@ -912,7 +912,7 @@ fn qd4_job(h: &mut Harness, read: bool, nreq: usize, req: u32) {
 
 /// The CPU cost of a throttle whose limits are never hit, per request, on
 /// the device path alone (no VM, so no guest noise): 4 KiB and 128 KiB
-/// reads at queue depth 4 through the device, without a gate and with a
+/// reads at queue depth 4 through the device, without a throttle and with a
 /// `Throttle` 100x above need, in interleaved rounds; best of each.
 /// `cargo test -p corral-devices --release -- --ignored bench_throttle_cost --nocapture`
 #[test]
@@ -933,9 +933,9 @@ fn bench_throttle_cost() {
                 let disk = DiskFile::open(&p, true, false).unwrap();
                 let mut h = Harness::new(disk, 64 * MIB, 0);
                 if which == 1 {
-                    let now = gate::monotonic_ns();
+                    let now = throttle::monotonic_ns();
                     let th = corral_blkthrottle::Throttle::new(&limits, now).unwrap();
-                    lock(&h.block).set_gate(Some(Box::new(th)));
+                    lock(&h.block).set_throttle(Some(Box::new(th)));
                 }
                 let start = std::time::Instant::now();
                 qd4_job(&mut h, true, nreq, req);

@@ -1,28 +1,28 @@
-//! The throttling seam of virtio-blk: a [`RequestGate`] asked before each
-//! request, and the timerfd the device arms when the gate says "wait".
+//! The throttling seam of virtio-blk: a [`RequestThrottle`] asked before each
+//! request, and the timerfd the device arms when the throttle says "wait".
 //!
 //! Protocol (matches [`corral_blkthrottle::Throttle`], which implements the
 //! trait): for the request at the head of the queue the device calls
-//! [`RequestGate::poll`]. On `Admit` it serves it and polls the next one. On
+//! [`RequestThrottle::poll`]. On `Admit` it serves it and polls the next one. On
 //! `Wait { until }` it keeps that request (it has already been popped from
 //! the available ring; the ones behind it stay in the ring, in order), arms
 //! its timer for `until` (absolute `CLOCK_MONOTONIC` nanoseconds) and stops
 //! taking requests from that queue; guest notifications meanwhile are only
 //! drained. When the timer fires — or when the VMM calls
-//! [`Block::gate_changed`](super::Block::gate_changed) after a live limit
+//! [`Block::throttle_changed`](super::Block::throttle_changed) after a live limit
 //! change — the head is polled again. A device reset drops the waiting
-//! request and calls [`RequestGate::cancel`].
+//! request and calls [`RequestThrottle::cancel`].
 
 use std::any::Any;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 
-pub use corral_blkthrottle::{Decision, Nanos, OpKind, Request as GateRequest};
+pub use corral_blkthrottle::{Decision, Nanos, OpKind, Request as ThrottleRequest};
 
 /// Asked before each request is served.
-pub trait RequestGate: Send {
+pub trait RequestThrottle: Send {
     /// May the head request `req` go at `now`?
-    fn poll(&mut self, req: GateRequest, now: Nanos) -> Decision;
+    fn poll(&mut self, req: ThrottleRequest, now: Nanos) -> Decision;
     /// The waiting head request was dropped (device reset).
     fn cancel(&mut self);
     /// A request started waiting.
@@ -32,17 +32,17 @@ pub trait RequestGate: Send {
     /// For a request told to wait: how late after its `until` it may be
     /// polled without losing rate (see
     /// [`corral_blkthrottle::Throttle::wait_slack`]). Unlimited by default.
-    fn wait_slack(&mut self, _req: GateRequest, _now: Nanos) -> Nanos {
+    fn wait_slack(&mut self, _req: ThrottleRequest, _now: Nanos) -> Nanos {
         Nanos::MAX
     }
     /// A request completed `ns` after the device took it from the ring.
     fn record_latency(&mut self, _kind: OpKind, _ns: Nanos) {}
-    /// For downcasting to the concrete gate (e.g. to change its limits).
+    /// For downcasting to the concrete throttle (e.g. to change its limits).
     fn as_any_mut(&mut self) -> &mut dyn Any;
 }
 
-impl RequestGate for corral_blkthrottle::Throttle {
-    fn poll(&mut self, req: GateRequest, now: Nanos) -> Decision {
+impl RequestThrottle for corral_blkthrottle::Throttle {
+    fn poll(&mut self, req: ThrottleRequest, now: Nanos) -> Decision {
         corral_blkthrottle::Throttle::poll(self, req, now)
     }
     fn cancel(&mut self) {
@@ -57,7 +57,7 @@ impl RequestGate for corral_blkthrottle::Throttle {
     fn record_latency(&mut self, kind: OpKind, ns: Nanos) {
         corral_blkthrottle::Throttle::record_latency(self, kind, ns)
     }
-    fn wait_slack(&mut self, req: GateRequest, now: Nanos) -> Nanos {
+    fn wait_slack(&mut self, req: ThrottleRequest, now: Nanos) -> Nanos {
         corral_blkthrottle::Throttle::wait_slack(self, req, now)
     }
     fn as_any_mut(&mut self) -> &mut dyn Any {
@@ -79,7 +79,7 @@ pub fn monotonic_ns() -> Nanos {
 /// A non-blocking one-shot timerfd on `CLOCK_MONOTONIC`, armed at absolute
 /// times.
 #[derive(Debug)]
-pub struct GateTimer {
+pub struct ThrottleTimer {
     fd: OwnedFd,
     /// The instant it was last armed for (0 = not armed since it fired).
     armed_for: std::cell::Cell<Nanos>,
@@ -87,7 +87,7 @@ pub struct GateTimer {
     late: std::cell::Cell<Nanos>,
 }
 
-/// Waits whose throttle slack ([`RequestGate::wait_slack`]) is shorter than
+/// Waits whose throttle slack ([`RequestThrottle::wait_slack`]) is shorter than
 /// this are *tight*: a late poll would lose rate, so the device wakes early
 /// and waits the last stretch on the clock.
 pub const TIGHT_SLACK_NS: Nanos = 2_000_000;
@@ -97,7 +97,7 @@ pub const EARLY_MIN_NS: Nanos = 50_000;
 /// See [`EARLY_MIN_NS`]: at most this much is spent on the clock per wait.
 pub const EARLY_MAX_NS: Nanos = 1_000_000;
 
-impl GateTimer {
+impl ThrottleTimer {
     /// A disarmed timer.
     pub fn new() -> io::Result<Self> {
         // SAFETY: plain syscall; the result is checked below.
@@ -179,7 +179,7 @@ impl GateTimer {
     }
 }
 
-impl AsRawFd for GateTimer {
+impl AsRawFd for ThrottleTimer {
     fn as_raw_fd(&self) -> RawFd {
         self.fd.as_raw_fd()
     }
