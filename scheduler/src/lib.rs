@@ -13,7 +13,9 @@
 //!   control.
 //! * [`policy`]: the pure share policy ([`Policy`]).
 //! * [`Scheduler`]: model + policy, the object the daemon keeps.
-//! * [`gate`]: the park/unpark primitive vCPU threads wait on.
+//! * [`gate`]: the park/unpark primitive vCPU threads wait on (a futex
+//!   word in a page shared with the VM's process; the only module here
+//!   that makes syscalls).
 //! * [`sim`]: a deterministic simulator of N host CPUs and thousands of VMs.
 //!
 //! ## Units
@@ -118,7 +120,7 @@ mod scheduler;
 pub mod sim;
 
 pub use capacity::HostLoad;
-pub use gate::{Gate, WaitOutcome};
+pub use gate::{CpuClamp, Gate, Side, WaitOutcome};
 pub use model::{Capacity, ClassSpec, ErrorKind, Model, ModelError, VmId, VmSpec};
 pub use policy::{
     Action, Change, ClassStats, ConfigError, CpuTime, Policy, PolicyConfig, Stats, TickOutput,

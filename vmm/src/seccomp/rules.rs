@@ -292,6 +292,9 @@ fn runtime(r: &mut Rules) {
             libc::SYS_set_robust_list,
         ],
     );
+    // A VM's scheduling gate shared with its VM process: a sealed memfd
+    // (Gate::new_shared; ftruncate and fcntl(F_ADD_SEALS) are below).
+    allow(r, &[libc::SYS_memfd_create]);
     // Files: kernels, initrds, disk images, /proc, /sys (cgroups), the
     // state of the API socket's directory.
     allow(
