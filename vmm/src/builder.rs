@@ -48,7 +48,14 @@ fn io_err(what: &'static str) -> impl FnOnce(std::io::Error) -> VmError {
 /// Creates and starts a VM.
 pub fn start(cfg: &VmConfig) -> Result<VmHandle, VmError> {
     let kvm = Kvm::new().map_err(kvm_err("cannot open /dev/kvm"))?;
-    let files = validate(cfg, &kvm)?;
+    start_with_kvm(cfg, &kvm)
+}
+
+/// Creates and starts a VM on an already open `/dev/kvm`: a jailed VM
+/// process opened it before dropping its privileges
+/// ([`crate::jail::Jailed::kvm`]) and cannot open it again.
+pub fn start_with_kvm(cfg: &VmConfig, kvm: &Kvm) -> Result<VmHandle, VmError> {
+    let files = validate(cfg, kvm)?;
     shared::install_kick_handler().map_err(io_err("installing the vCPU kick signal handler"))?;
 
     let vm = kvm.create_vm().map_err(kvm_err("KVM_CREATE_VM"))?;
@@ -102,7 +109,7 @@ pub fn start(cfg: &VmConfig) -> Result<VmHandle, VmError> {
         });
     }
 
-    let vcpus = create_vcpus(&kvm, &vm, cfg.vcpus, entry)?;
+    let vcpus = create_vcpus(kvm, &vm, cfg.vcpus, entry)?;
     let threads = start_threads(cfg, &shared, vcpus, legacy.serial, control_rx)?;
 
     Ok(VmHandle {

@@ -20,6 +20,7 @@ mod devthread;
 pub mod handle;
 pub mod hostfile;
 pub mod hostload;
+pub mod jail;
 mod images;
 pub mod layout;
 pub mod loader;
@@ -32,7 +33,7 @@ pub mod vcpu;
 pub mod vm;
 mod vmthread;
 
-pub use builder::start;
+pub use builder::{start, start_with_kvm};
 pub use handle::VmHandle;
 pub use kvm_ioctls::Kvm;
 pub use vm::{

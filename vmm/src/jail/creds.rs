@@ -1,0 +1,120 @@
+//! Resource limits, the unprivileged identity, capabilities and
+//! `no_new_privs`, and the check that nothing privileged is left.
+
+use rustix::io::Errno;
+use rustix::process::{Resource, Rlimit};
+use rustix::thread::{CapabilitySet, CapabilitySets};
+
+use super::error::{JailError, Step, at};
+use super::spec::JailLimits;
+
+fn set(resource: Resource, name: &'static str, v: Option<u64>) -> Result<(), JailError> {
+    rustix::process::setrlimit(
+        resource,
+        Rlimit {
+            current: v,
+            maximum: v,
+        },
+    )
+    .map_err(at(Step::Rlimit(name)))
+}
+
+/// Sets the limits, soft = hard, and `RLIMIT_CORE` to 0 (no core file of
+/// guest memory).
+pub(super) fn set_limits(l: &JailLimits) -> Result<(), JailError> {
+    set(Resource::Nofile, "RLIMIT_NOFILE", Some(l.nofile))?;
+    set(Resource::As, "RLIMIT_AS", l.address_space)?;
+    set(Resource::Nproc, "RLIMIT_NPROC", Some(l.nproc))?;
+    set(Resource::Fsize, "RLIMIT_FSIZE", l.fsize)?;
+    set(Resource::Core, "RLIMIT_CORE", Some(0))
+}
+
+/// Every capability number this kernel knows: those whose bounding-set
+/// query does not fail with EINVAL (40 on this host's 6.18).
+fn known_caps() -> impl Iterator<Item = u32> {
+    (0..64u32).take_while(|&c| {
+        !matches!(
+            rustix::thread::capability_is_in_bounding_set(CapabilitySet::from_bits_retain(1 << c)),
+            Err(Errno::INVAL)
+        )
+    })
+}
+
+/// Drops the bounding and ambient sets (which needs CAP_SETPCAP, so
+/// first), the supplementary groups, then gid and uid (real, effective and
+/// saved: no way back), clears the capability sets and sets
+/// `no_new_privs`. The process must have one thread: these calls change
+/// the calling thread's credentials only.
+pub(super) fn drop_privileges(uid: u32, gid: u32) -> Result<(), JailError> {
+    for c in known_caps() {
+        let cap = CapabilitySet::from_bits_retain(1 << c);
+        if rustix::thread::capability_is_in_bounding_set(cap).map_err(at(Step::BoundingSet(c)))? {
+            rustix::thread::remove_capability_from_bounding_set(cap)
+                .map_err(at(Step::BoundingSet(c)))?;
+        }
+    }
+    rustix::thread::clear_ambient_capability_set().map_err(at(Step::AmbientCaps))?;
+    rustix::thread::set_thread_groups(&[]).map_err(at(Step::Groups))?;
+    // SAFETY (of the ids): `check` refused 0 and u32::MAX; any other value
+    // is a plain id.
+    let (u, g) = (
+        rustix::process::Uid::from_raw(uid),
+        rustix::process::Gid::from_raw(gid),
+    );
+    rustix::thread::set_thread_res_gid(g, g, g).map_err(at(Step::SetGid(gid)))?;
+    rustix::thread::set_thread_res_uid(u, u, u).map_err(at(Step::SetUid(uid)))?;
+    // A uid change from 0 clears the permitted and effective sets already;
+    // clear all three explicitly, whatever the securebits were.
+    rustix::thread::set_capabilities(
+        None,
+        CapabilitySets {
+            effective: CapabilitySet::empty(),
+            permitted: CapabilitySet::empty(),
+            inheritable: CapabilitySet::empty(),
+        },
+    )
+    .map_err(at(Step::Capabilities))?;
+    rustix::thread::set_no_new_privs(true).map_err(at(Step::NoNewPrivs))
+}
+
+/// Checks that the drop took: the ids, no groups, no capability in any
+/// set, `no_new_privs`, and that uid 0 cannot be taken back.
+pub(super) fn verify(uid: u32, gid: u32) -> Result<(), JailError> {
+    let bad = |what: String| Err(JailError::Verify(what));
+    let ids = (
+        rustix::process::getuid().as_raw(),
+        rustix::process::geteuid().as_raw(),
+        rustix::process::getgid().as_raw(),
+        rustix::process::getegid().as_raw(),
+    );
+    if ids != (uid, uid, gid, gid) {
+        return bad(format!("ids (uid, euid, gid, egid) are {ids:?}"));
+    }
+    match rustix::process::getgroups() {
+        Ok(g) if g.is_empty() => {}
+        Ok(g) => return bad(format!("{} supplementary groups", g.len())),
+        Err(e) => return Err(at(Step::Verify)(e)),
+    }
+    let c = rustix::thread::capabilities(None).map_err(at(Step::Verify))?;
+    if !(c.effective.is_empty() && c.permitted.is_empty() && c.inheritable.is_empty()) {
+        return bad(format!("capabilities {c:?}"));
+    }
+    for n in known_caps() {
+        let cap = CapabilitySet::from_bits_retain(1 << n);
+        if rustix::thread::capability_is_in_bounding_set(cap).map_err(at(Step::Verify))? {
+            return bad(format!("capability {n} in the bounding set"));
+        }
+        if rustix::thread::capability_is_in_ambient_set(cap).map_err(at(Step::Verify))? {
+            return bad(format!("capability {n} in the ambient set"));
+        }
+    }
+    if !rustix::thread::no_new_privs().map_err(at(Step::Verify))? {
+        return bad("no_new_privs is not set".into());
+    }
+    // The saved uid is checked by trying to take root back.
+    let root = rustix::process::Uid::ROOT;
+    if rustix::thread::set_thread_res_uid(root, root, root).is_ok() {
+        return bad("setresuid(0) succeeded".into());
+    }
+    Ok(())
+}
