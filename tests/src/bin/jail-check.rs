@@ -4,7 +4,7 @@
 //! on the jail's KVM fd with seccomp on. For `tests/tests/jail.rs`.
 //!
 //! `jail-check DIR [--uid N] [--gid N] [--kvm PATH] [--no-ns KIND]...
-//! [--thread] [--port P] [--wait] [--boot]`: DIR holds `probe.elf`,
+//! [--staging DIR] [--thread] [--port P] [--wait] [--boot]`: DIR holds `probe.elf`,
 //! `ro.img` and `rw.img` (all three are jailed) and `other.img` (not).
 //! Exit 3 with `JAIL-ERROR <message>` when the jail cannot be set up.
 
@@ -42,6 +42,7 @@ fn main() {
     let dir = PathBuf::from(args.next().expect("DIR"));
     let (mut uid, mut gid, mut kvm) = (3_221_225_600u32, 3_221_225_600u32, "/dev/kvm".to_string());
     let (mut thread, mut wait, mut boot, mut port) = (false, false, false, None::<u16>);
+    let mut staging = None::<PathBuf>;
     let mut ns = jail::Namespaces::default();
     while let Some(a) = args.next() {
         let mut val = || args.next().expect("option value");
@@ -49,6 +50,7 @@ fn main() {
             "--uid" => uid = val().parse().expect("uid"),
             "--gid" => gid = val().parse().expect("gid"),
             "--kvm" => kvm = val(),
+            "--staging" => staging = Some(PathBuf::from(val())),
             "--port" => port = Some(val().parse().expect("port")),
             "--no-ns" => match val().as_str() {
                 "pid" => ns.pid = false,
@@ -66,7 +68,9 @@ fn main() {
 
     // Opened as the daemon opens them (checked, locked), before the jail.
     let p = HostPolicy::unrestricted();
-    let kernel = p.open(&dir.join("probe.elf"), Role::Kernel).expect("kernel");
+    let kernel = p
+        .open(&dir.join("probe.elf"), Role::Kernel)
+        .expect("kernel");
     let ro = p
         .open(
             &dir.join("ro.img"),
@@ -86,12 +90,14 @@ fn main() {
         )
         .expect("rw.img");
 
-    let _parked = thread.then(|| {
-        std::thread::spawn(|| std::thread::sleep(Duration::from_secs(30)))
-    });
+    let _parked =
+        thread.then(|| std::thread::spawn(|| std::thread::sleep(Duration::from_secs(30))));
     let mut spec = JailSpec::new("jail-check", uid, gid);
     spec.kvm_path = PathBuf::from(&kvm);
     spec.namespaces = ns;
+    if let Some(s) = staging {
+        spec.staging = s;
+    }
     spec.limits = JailLimits::for_vm(64, 1, 2, rw.len());
     spec.files = vec![
         JailFile {
@@ -142,7 +148,11 @@ fn main() {
     let lim = |v: Option<u64>| v.map_or("inf".to_string(), |n| n.to_string());
     fact(
         "limits",
-        st.limits.iter().map(|&v| lim(v)).collect::<Vec<_>>().join(","),
+        st.limits
+            .iter()
+            .map(|&v| lim(v))
+            .collect::<Vec<_>>()
+            .join(","),
     );
     let wo = |p: &str| std::fs::OpenOptions::new().write(true).open(p);
     fact("ro_write", errno(wo("/ro.img")));
@@ -165,19 +175,17 @@ fn main() {
     // SAFETY: gethostname writes at most `len` bytes into the buffer.
     unsafe { libc::gethostname(name.as_mut_ptr().cast(), 64) };
     let end = name.iter().position(|&b| b == 0).unwrap_or(0);
-    fact("hostname", String::from_utf8_lossy(&name[..end]).into_owned());
+    fact(
+        "hostname",
+        String::from_utf8_lossy(&name[..end]).into_owned(),
+    );
 
     if boot {
         boot_probe(jailed, kernel, ro, rw);
     }
 }
 
-fn boot_probe(
-    jailed: jail::Jailed,
-    kernel: HostFile,
-    ro: HostFile,
-    rw: HostFile,
-) {
+fn boot_probe(jailed: jail::Jailed, kernel: HostFile, ro: HostFile, rw: HostFile) {
     use corral_vmm::seccomp;
     if let Err(e) = seccomp::enable()
         .and_then(|()| seccomp::check_all())

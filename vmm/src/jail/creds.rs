@@ -55,8 +55,7 @@ pub(super) fn drop_privileges(uid: u32, gid: u32) -> Result<(), JailError> {
     }
     rustix::thread::clear_ambient_capability_set().map_err(at(Step::AmbientCaps))?;
     rustix::thread::set_thread_groups(&[]).map_err(at(Step::Groups))?;
-    // SAFETY (of the ids): `check` refused 0 and u32::MAX; any other value
-    // is a plain id.
+    // `JailSpec::check` refused 0 and u32::MAX ("unchanged").
     let (u, g) = (
         rustix::process::Uid::from_raw(uid),
         rustix::process::Gid::from_raw(gid),

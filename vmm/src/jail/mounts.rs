@@ -32,7 +32,9 @@ fn clone_tree(fd: BorrowedFd<'_>, name: &str) -> Result<OwnedFd, JailError> {
     rustix::mount::open_tree(
         fd,
         "",
-        OpenTreeFlags::OPEN_TREE_CLONE | OpenTreeFlags::OPEN_TREE_CLOEXEC | OpenTreeFlags::AT_EMPTY_PATH,
+        OpenTreeFlags::OPEN_TREE_CLONE
+            | OpenTreeFlags::OPEN_TREE_CLOEXEC
+            | OpenTreeFlags::AT_EMPTY_PATH,
     )
     .map_err(at(Step::CloneMount(name.to_string())))
 }

@@ -78,7 +78,9 @@ fn first_process() -> i32 {
     // SAFETY: as in `probe`: a single-threaded child, raw syscalls only.
     match unsafe { nix::unistd::fork() } {
         Err(e) => e as i32,
-        Ok(ForkResult::Child) => super::hard_exit(i32::from(rustix::process::getpid().as_raw_nonzero().get() != 1)),
+        Ok(ForkResult::Child) => super::hard_exit(i32::from(
+            rustix::process::getpid().as_raw_nonzero().get() != 1,
+        )),
         Ok(ForkResult::Parent { child }) => match nix::sys::wait::waitpid(child, None) {
             Ok(WaitStatus::Exited(_, 0)) => 0,
             Ok(_) => libc::EINVAL,

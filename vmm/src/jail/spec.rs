@@ -130,13 +130,13 @@ pub struct JailLimits {
     pub fsize: Option<u64>,
 }
 
-/// Address space a VM process needs beyond guest RAM, measured: `corral
-/// run` of the probe with 128 MiB and 1 vCPU has VmSize ~ guest + 150 MiB
-/// (code, glibc's per-thread malloc arenas of 64 MiB reserved each,
-/// thread stacks). 512 MiB leaves room for the control thread(s) of
-/// `corral vmm`.
+/// Address space a VM process needs beyond guest RAM. Measured (`corral
+/// run`, probe `spin`, 128 MiB): VmSize = guest + 155 MiB with 1 vCPU
+/// (peak + 213 MiB: code, glibc's malloc arenas of 64 MiB reserved each,
+/// thread stacks), + 64 MiB per further vCPU. 512 MiB leaves room for the
+/// control thread(s) of `corral vmm`.
 pub const AS_MARGIN: u64 = 512 << 20;
-/// Address space per vCPU thread: a malloc arena (64 MiB reserved), its
+/// Address space per vCPU thread: its malloc arena (64 MiB reserved), its
 /// stack (2 MiB) and its `kvm_run` mapping, rounded up.
 pub const AS_PER_VCPU: u64 = 80 << 20;
 
@@ -244,5 +244,56 @@ impl<'a> JailSpec<'a> {
             )));
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn uid_ranges_refuse_root_and_the_unchanged_id() {
+        assert_eq!(
+            UidRange::parse("100000:10").unwrap(),
+            UidRange {
+                base: 100000,
+                count: 10
+            }
+        );
+        for bad in ["0:10", "5:0", "4294967290:5", "4294967295:1", "x:1", "10"] {
+            assert!(UidRange::parse(bad).is_err(), "{bad}");
+        }
+        let r = UidRange::default();
+        assert!(r.check().is_ok());
+        assert_eq!(r.get(0), Some(DEFAULT_UID_BASE));
+        assert_eq!(r.get(DEFAULT_UID_COUNT), None);
+        assert!(r.contains(DEFAULT_UID_BASE + 5) && !r.contains(DEFAULT_UID_BASE - 1));
+    }
+
+    #[test]
+    fn specs_refuse_privileged_ids_and_bad_names() {
+        assert!(JailSpec::new("vm", 1000, 1000).check().is_ok());
+        for (u, g) in [(0, 1000), (1000, 0), (u32::MAX, 1000), (1000, u32::MAX)] {
+            assert!(JailSpec::new("vm", u, g).check().is_err(), "{u} {g}");
+        }
+        let f = std::fs::File::open("/dev/null").unwrap();
+        for name in ["", ".", "..", "dev", "a/b"] {
+            let mut s = JailSpec::new("vm", 1000, 1000);
+            s.files.push(JailFile {
+                name,
+                fd: std::os::fd::AsFd::as_fd(&f),
+                read_only: true,
+            });
+            assert!(s.check().is_err(), "{name:?}");
+        }
+        let mut s = JailSpec::new("vm", 1000, 1000);
+        for _ in 0..2 {
+            s.files.push(JailFile {
+                name: "disk",
+                fd: std::os::fd::AsFd::as_fd(&f),
+                read_only: true,
+            });
+        }
+        assert!(s.check().is_err());
     }
 }

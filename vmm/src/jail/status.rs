@@ -56,11 +56,7 @@ impl JailStatus {
             ),
             groups: rustix::process::getgroups().map_or(usize::MAX, |g| g.len()),
             caps: caps.map_or((u64::MAX, u64::MAX, u64::MAX), |c| {
-                (
-                    c.effective.bits(),
-                    c.permitted.bits(),
-                    c.inheritable.bits(),
-                )
+                (c.effective.bits(), c.permitted.bits(), c.inheritable.bits())
             }),
             bounding,
             ambient,
