@@ -8,7 +8,7 @@ use std::time::UNIX_EPOCH;
 use corral_scheduler::ClassSpec;
 use corral_vmm::ExitReason;
 use corral_vmm::manager::{
-    ClassConfig, ClassInfo, DiskInfo, DiskRequest, HostInfo, IoLimits, VmInfo, VmRequest,
+    ClassConfig, ClassInfo, DiskInfo, DiskRequest, HostInfo, VmInfo, VmRequest,
 };
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Deserializer, Serialize};
@@ -29,58 +29,9 @@ pub struct ErrorDetail {
     pub message: String,
 }
 
-/// Throttle limits; absent, `null` or `0` = no limit.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct Limits {
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub bps: Option<u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub iops: Option<u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub rbps: Option<u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub wbps: Option<u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub riops: Option<u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub wiops: Option<u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub burst_bytes: Option<u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub burst_ops: Option<u64>,
-}
-
-impl From<Limits> for IoLimits {
-    fn from(l: Limits) -> Self {
-        let nz = |v: Option<u64>| v.filter(|x| *x != 0);
-        IoLimits {
-            bps: nz(l.bps),
-            iops: nz(l.iops),
-            rbps: nz(l.rbps),
-            wbps: nz(l.wbps),
-            riops: nz(l.riops),
-            wiops: nz(l.wiops),
-            burst_bytes: nz(l.burst_bytes),
-            burst_ops: nz(l.burst_ops),
-        }
-    }
-}
-
-impl From<IoLimits> for Limits {
-    fn from(l: IoLimits) -> Self {
-        Limits {
-            bps: l.bps,
-            iops: l.iops,
-            rbps: l.rbps,
-            wbps: l.wbps,
-            riops: l.riops,
-            wiops: l.wiops,
-            burst_bytes: l.burst_bytes,
-            burst_ops: l.burst_ops,
-        }
-    }
-}
+/// Throttle limits; absent, `null` or `0` = no limit: the throttle crate's
+/// own type (its `serde` form is the spec's `Limits`).
+pub use corral_vmm::manager::Limits;
 
 /// Deserializes a struct only from a JSON object (serde's derived
 /// deserializers also accept arrays, which the API must refuse).
@@ -154,7 +105,7 @@ impl ClassPut {
                 cap: self.cap,
                 reservation: self.reservation.filter(|r| *r != 0),
             },
-            io: self.io.into(),
+            io: self.io,
         }
     }
 }
@@ -205,7 +156,7 @@ impl ClassPatch {
             c.cpu.reservation = r.filter(|r| *r != 0);
         }
         if let Some(io) = self.io {
-            c.io = io.into();
+            c.io = io;
         }
     }
 }
@@ -235,7 +186,7 @@ impl From<ClassInfo> for Class {
             shares: c.config.cpu.shares,
             cap: c.config.cpu.cap,
             reservation: c.config.cpu.reservation,
-            io: c.config.io.into(),
+            io: c.config.io,
             vms: c.vms,
             cpu_seconds: c.cpu_secs,
             entitlement_pct: c.entitlement_pct,
@@ -245,14 +196,15 @@ impl From<ClassInfo> for Class {
 }
 
 /// A disk in `POST /v1/vms`.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DiskCreate {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub id: Option<String>,
     pub path: String,
-    #[serde(default)]
-    pub readonly: bool,
+    /// Refuse writes; `readonly` on the wire, as in the spec.
+    #[serde(default, rename = "readonly")]
+    pub read_only: bool,
     #[serde(default)]
     pub direct: bool,
     #[serde(default, deserialize_with = "object")]
@@ -310,9 +262,9 @@ impl VmCreate {
                 .map(|d| DiskRequest {
                     id: d.id.unwrap_or_default(),
                     path: PathBuf::from(d.path),
-                    read_only: d.readonly,
+                    read_only: d.read_only,
                     direct: d.direct,
-                    limits: d.limits.into(),
+                    limits: d.limits,
                 })
                 .collect(),
         }
@@ -359,7 +311,9 @@ pub struct DiskStats {
 pub struct Disk {
     pub id: String,
     pub path: String,
-    pub readonly: bool,
+    /// `readonly` on the wire, as in the spec.
+    #[serde(rename = "readonly")]
+    pub read_only: bool,
     pub direct: bool,
     pub limits: Limits,
     pub group: Option<String>,
@@ -373,9 +327,9 @@ impl From<DiskInfo> for Disk {
         Disk {
             id: c.id,
             path: c.path.display().to_string(),
-            readonly: c.read_only,
+            read_only: c.read_only,
             direct: c.direct,
-            limits: c.limits.into(),
+            limits: c.limits,
             group: d.group,
             capacity_bytes: d.capacity_bytes,
             stats: d.stats.map(|s| DiskStats {

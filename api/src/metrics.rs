@@ -12,7 +12,7 @@ pub mod expo;
 pub mod http;
 pub mod process;
 
-use corral_vmm::manager::{CpuBackend, IoLimits, Manager, VmState};
+use corral_vmm::manager::{CpuBackend, Limits, Manager, VmState};
 
 use expo::{Format, Gauges, Hists, Labels, Reg, l, with};
 
@@ -47,7 +47,7 @@ impl LimitFams {
         }
     }
 
-    fn set(&self, base: &Labels, lim: &IoLimits) {
+    fn set(&self, base: &Labels, lim: &Limits) {
         for (fam, op, v) in [
             (&self.bytes, "all", lim.bps),
             (&self.bytes, "read", lim.rbps),

@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use corral_vmm::manager::{CpuBackend, IoLimits, Manager};
+use corral_vmm::manager::{CpuBackend, Limits, Manager};
 
 use super::host;
 use super::plot::{self, Panel, Series};
@@ -163,7 +163,7 @@ pub fn run(a: InterferenceArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String)
         ("cpu", Job::work(sz.cpu_units * 2, sz.unit_iters, ncpu)),
         (
             "io",
-            Job::blk_read(&victim_disk, IoLimits::default(), sz.io_bytes, sz.io_bs, 4),
+            Job::blk_read(&victim_disk, Limits::default(), sz.io_bytes, sz.io_bs, 4),
         ),
     ];
     // Size the victim's jobs to --victim-secs alone (the seeds' make took
@@ -179,7 +179,7 @@ pub fn run(a: InterferenceArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String)
         let per_byte = cal.wall_s / sz.io_bytes as f64;
         let bytes = ((a.victim_secs / per_byte.max(1e-15)) as u64 / sz.io_bs * sz.io_bs)
             .clamp(sz.io_bs, victim_bytes / sz.io_bs * sz.io_bs);
-        jobs[1].1 = Job::blk_read(&victim_disk, IoLimits::default(), bytes, sz.io_bs, 4);
+        jobs[1].1 = Job::blk_read(&victim_disk, Limits::default(), bytes, sz.io_bs, 4);
         sizing = format!(
             "Victim jobs sized to about {} s alone from one calibration run each: cpu {units} \
              units, io {} MiB. ",
@@ -198,7 +198,7 @@ pub fn run(a: InterferenceArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String)
     pb.inc(1);
     let secs = cal.guest_s.unwrap_or(cal.wall_s).max(1e-6);
     let iops = cal.num("requests").unwrap_or(0.0) / secs;
-    let hog_limit = IoLimits {
+    let hog_limit = Limits {
         iops: Some(((iops / 4.0) as u64).max(50)),
         ..Default::default()
     };
@@ -235,7 +235,7 @@ pub fn run(a: InterferenceArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String)
                         &io_hog(if scn.hog_limited {
                             hog_limit
                         } else {
-                            IoLimits::default()
+                            Limits::default()
                         }),
                     )?),
                 };

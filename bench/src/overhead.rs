@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use corral_vmm::manager::{CpuBackend, IoLimits, Manager};
+use corral_vmm::manager::{CpuBackend, Limits, Manager};
 
 use super::linux::{self, Plan};
 use super::plot::{self, Panel, Series};
@@ -78,8 +78,8 @@ pub fn run(a: OverheadArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String), Be
     let timeout = Duration::from_secs(if quick { 60 } else { 600 });
 
     let mut cpu_job =
-        Job::work(sz.cpu_units, sz.unit_iters, 1).with_disk(&disk, IoLimits::default());
-    let mut io_job = Job::blk_read(&disk, IoLimits::default(), sz.io_bytes, sz.io_bs, 4);
+        Job::work(sz.cpu_units, sz.unit_iters, 1).with_disk(&disk, Limits::default());
+    let mut io_job = Job::blk_read(&disk, Limits::default(), sz.io_bytes, sz.io_bs, 4);
     // Size the probe jobs to --job-secs of guest time from one run each.
     let mut sizing = Vec::new();
     if !quick {
@@ -87,13 +87,13 @@ pub fn run(a: OverheadArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String), Be
         let cal = runner::run_job(&base, "size-cpu", "default", &cpu_job, timeout)?;
         let per_unit = cal.guest_s.unwrap_or(cal.wall_s) / sz.cpu_units as f64;
         let units = ((a.job_secs / per_unit.max(1e-9)).ceil() as u64).clamp(1, 100_000_000);
-        cpu_job = Job::work(units, sz.unit_iters, 1).with_disk(&disk, IoLimits::default());
+        cpu_job = Job::work(units, sz.unit_iters, 1).with_disk(&disk, Limits::default());
         sizing.push(format!("cpu: {units} units of {} rounds", sz.unit_iters));
         let cal = runner::run_job(&base, "size-io", "default", &io_job, timeout)?;
         let per_byte = cal.guest_s.unwrap_or(cal.wall_s) / sz.io_bytes as f64;
         let bytes = ((a.job_secs / per_byte.max(1e-15)) as u64 / sz.io_bs * sz.io_bs)
             .clamp(sz.io_bs, disk_bytes / sz.io_bs * sz.io_bs);
-        io_job = Job::blk_read(&disk, IoLimits::default(), bytes, sz.io_bs, 4);
+        io_job = Job::blk_read(&disk, Limits::default(), bytes, sz.io_bs, 4);
         sizing.push(format!(
             "io: {} MiB in {} KiB reads",
             bytes >> 20,
@@ -144,7 +144,7 @@ pub fn run(a: OverheadArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String), Be
     let secs = cal.guest_s.unwrap_or(cal.wall_s).max(1e-6);
     let bps = cal.num("bytes").unwrap_or(0.0) / secs;
     let iops = cal.num("requests").unwrap_or(0.0) / secs;
-    let limits = IoLimits {
+    let limits = Limits {
         bps: Some(((bps * 100.0) as u64).max(1 << 20)),
         iops: Some(((iops * 100.0) as u64).max(100)),
         ..Default::default()

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use corral_scheduler::ClassSpec;
 use corral_vmm::manager::{
-    ClassConfig, ConsoleWatch, CpuBackend, DiskRequest, IoLimits, Manager, ManagerConfig,
+    ClassConfig, ConsoleWatch, CpuBackend, DiskRequest, Limits, Manager, ManagerConfig,
     VmRequest, thread_cpu_ns,
 };
 
@@ -32,7 +32,7 @@ pub fn new_manager(
             name.to_string(),
             ClassConfig {
                 cpu: ClassSpec::new(*shares),
-                io: IoLimits::default(),
+                io: Limits::default(),
             },
         ));
     }
@@ -65,7 +65,7 @@ pub struct Job {
     /// Guest memory, MiB.
     pub memory_mib: u64,
     /// A disk with its limits.
-    pub disk: Option<(PathBuf, IoLimits)>,
+    pub disk: Option<(PathBuf, Limits)>,
     /// The disk is attached read-only.
     pub disk_read_only: bool,
     /// Kernel and initramfs; `None` = the built-in probe.
@@ -91,7 +91,7 @@ impl Job {
         cmdline: String,
         vcpus: u32,
         memory_mib: u64,
-        disk: Option<(PathBuf, IoLimits)>,
+        disk: Option<(PathBuf, Limits)>,
     ) -> Self {
         Self {
             cmdline,
@@ -112,7 +112,7 @@ impl Job {
             cmdline: job.cmdline(),
             vcpus: job.vcpus,
             memory_mib: job.memory_mib,
-            disk: Some((job.rootfs.clone(), IoLimits::default())),
+            disk: Some((job.rootfs.clone(), Limits::default())),
             disk_read_only: true,
             kernel: Some((job.kernel.clone(), job.initrd.clone())),
             guest: Guest::Kbuild,
@@ -131,7 +131,7 @@ impl Job {
     }
 
     /// virtio-blk reads of `size` bytes in requests of `bs`, `qd` in flight.
-    pub fn blk_read(disk: &Path, limits: IoLimits, size: u64, bs: u64, qd: u32) -> Self {
+    pub fn blk_read(disk: &Path, limits: Limits, size: u64, bs: u64, qd: u32) -> Self {
         Self::probe(
             format!(
                 "probe.mode=blk probe.op=read probe.size={size} probe.bs={bs} probe.qd={qd} probe.timeout_ms=60000"
@@ -144,14 +144,14 @@ impl Job {
 
     /// The same job with a disk attached (unused by CPU jobs; it makes
     /// configurations that differ only in the disk's limits comparable).
-    pub fn with_disk(mut self, disk: &Path, limits: IoLimits) -> Self {
+    pub fn with_disk(mut self, disk: &Path, limits: Limits) -> Self {
         self.disk = Some((disk.to_path_buf(), limits));
         self.memory_mib = self.memory_mib.max(64);
         self
     }
 
     /// The same job with other disk limits.
-    pub fn with_limits(mut self, limits: IoLimits) -> Self {
+    pub fn with_limits(mut self, limits: Limits) -> Self {
         if let Some((_, l)) = &mut self.disk {
             *l = limits;
         }

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use corral_vmm::manager::{CpuBackend, IoLimits};
+use corral_vmm::manager::{CpuBackend, Limits};
 
 use super::plot::{self, Panel, Series};
 use super::report::{Csv, OutDir, Report, SUMMARY_HEADER, Table, summary_cells};
@@ -136,12 +136,12 @@ pub fn run(a: ThrottleArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String), Be
             p.burst_name
         ));
         let limits = match p.unit {
-            Unit::Bps => IoLimits {
+            Unit::Bps => Limits {
                 bps: Some(p.rate),
                 burst_bytes: Some(p.burst),
                 ..Default::default()
             },
-            Unit::Iops => IoLimits {
+            Unit::Iops => Limits {
                 iops: Some(p.rate),
                 burst_ops: Some(p.burst),
                 ..Default::default()
@@ -167,18 +167,18 @@ pub fn run(a: ThrottleArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String), Be
 
     // Limits never hit: 100x what the job reaches unthrottled, against none.
     pb.set_message("calibrating the never-hit limits");
-    let io_job = Job::blk_read(&disk, IoLimits::default(), sz.io_bytes, sz.io_bs, 4);
+    let io_job = Job::blk_read(&disk, Limits::default(), sz.io_bytes, sz.io_bs, 4);
     let cal = runner::run_job(&mgr, "cal", "default", &io_job, timeout)?;
     pb.inc(1);
     let csecs = cal.guest_s.unwrap_or(cal.wall_s).max(1e-6);
-    let big = IoLimits {
+    let big = Limits {
         bps: Some(((cal.num("bytes").unwrap_or(0.0) / csecs * 100.0) as u64).max(1 << 20)),
         iops: Some(((cal.num("requests").unwrap_or(0.0) / csecs * 100.0) as u64).max(100)),
         ..Default::default()
     };
     let mut pair_samples: Vec<(&'static str, u32, JobResult)> = Vec::new();
     for i in 1..=pairs {
-        for (key, limits) in [("none", IoLimits::default()), ("100x", big)] {
+        for (key, limits) in [("none", Limits::default()), ("100x", big)] {
             pb.set_message(format!("never-hit limits: pair {i}/{pairs}, {key}"));
             let r = runner::run_job(
                 &mgr,

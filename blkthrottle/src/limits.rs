@@ -63,27 +63,104 @@ pub enum LimitsError {
 /// * `onetime_bytes` / `onetime_ops` are extra tokens granted once, at
 ///   creation, to every bucket of that unit; they are spent before the
 ///   refilling tokens and never come back.
+///
+/// With the `serde` feature this is also the JSON form of the REST API and of
+/// the daemon's state file: an object of these keys, each absent, `null` or
+/// an integer (`0` reads as absent); unknown keys are refused; unset keys are
+/// not written.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "serde", serde(default, deny_unknown_fields))]
 pub struct Limits {
     /// Total bytes per second.
+    #[cfg_attr(
+        feature = "serde",
+        serde(
+            skip_serializing_if = "Option::is_none",
+            deserialize_with = "nonzero"
+        )
+    )]
     pub bps: Option<u64>,
     /// Read bytes per second.
+    #[cfg_attr(
+        feature = "serde",
+        serde(
+            skip_serializing_if = "Option::is_none",
+            deserialize_with = "nonzero"
+        )
+    )]
     pub rbps: Option<u64>,
     /// Write bytes per second.
+    #[cfg_attr(
+        feature = "serde",
+        serde(
+            skip_serializing_if = "Option::is_none",
+            deserialize_with = "nonzero"
+        )
+    )]
     pub wbps: Option<u64>,
     /// Total operations per second.
+    #[cfg_attr(
+        feature = "serde",
+        serde(
+            skip_serializing_if = "Option::is_none",
+            deserialize_with = "nonzero"
+        )
+    )]
     pub iops: Option<u64>,
     /// Read operations per second.
+    #[cfg_attr(
+        feature = "serde",
+        serde(
+            skip_serializing_if = "Option::is_none",
+            deserialize_with = "nonzero"
+        )
+    )]
     pub riops: Option<u64>,
     /// Write (and flush/other) operations per second.
+    #[cfg_attr(
+        feature = "serde",
+        serde(
+            skip_serializing_if = "Option::is_none",
+            deserialize_with = "nonzero"
+        )
+    )]
     pub wiops: Option<u64>,
     /// Capacity of every bytes bucket, in bytes.
+    #[cfg_attr(
+        feature = "serde",
+        serde(
+            skip_serializing_if = "Option::is_none",
+            deserialize_with = "nonzero"
+        )
+    )]
     pub burst_bytes: Option<u64>,
     /// Capacity of every ops bucket, in operations.
+    #[cfg_attr(
+        feature = "serde",
+        serde(
+            skip_serializing_if = "Option::is_none",
+            deserialize_with = "nonzero"
+        )
+    )]
     pub burst_ops: Option<u64>,
     /// One-time extra bytes for every bytes bucket.
+    #[cfg_attr(
+        feature = "serde",
+        serde(
+            skip_serializing_if = "Option::is_none",
+            deserialize_with = "nonzero"
+        )
+    )]
     pub onetime_bytes: Option<u64>,
     /// One-time extra operations for every ops bucket.
+    #[cfg_attr(
+        feature = "serde",
+        serde(
+            skip_serializing_if = "Option::is_none",
+            deserialize_with = "nonzero"
+        )
+    )]
     pub onetime_ops: Option<u64>,
 }
 
@@ -109,6 +186,12 @@ pub(crate) const NUM_BUCKETS: usize = 6;
 
 fn nz(v: Option<u64>) -> Option<u64> {
     v.filter(|&x| x != 0)
+}
+
+/// A limit as JSON: `null` or an integer, `0` read as unset.
+#[cfg(feature = "serde")]
+fn nonzero<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
+    <Option<u64> as serde::Deserialize>::deserialize(d).map(nz)
 }
 
 /// Which kind of number a key takes.
@@ -191,8 +274,11 @@ impl Limits {
     ///
     /// Values: decimal integers. Byte keys (`bps`, `rbps`, `wbps`,
     /// `burst_bytes`, `onetime_bytes`) accept a suffix `K`, `M`, `G`, `T`
-    /// (powers of 1024; also written `Ki`, `KiB`, `KB`, any case). Rate keys
-    /// also accept `max` or `unlimited`. `0` means unset (see [`Limits`]).
+    /// (powers of 1024; also written `Ki`, `KiB`, `KB`, any case). Every key
+    /// accepts `none` and rate keys also `max` or `unlimited`, all meaning
+    /// unset, as `0` does (see [`Limits`]). This is the one grammar of
+    /// `corral run --disk`, `corral vm create --disk`, `corral disk limit`
+    /// and `corral class set --io`.
     pub fn parse_kv(&mut self, key: &str, value: &str) -> Result<bool, LimitsError> {
         let Some(&(_, unit, is_rate)) = KEYS.iter().find(|(k, _, _)| *k == key) else {
             return Ok(false);
@@ -322,16 +408,18 @@ fn parse_value(
         reason,
     };
     let v = value.trim();
-    if is_rate && (v.eq_ignore_ascii_case("max") || v.eq_ignore_ascii_case("unlimited")) {
+    if v.eq_ignore_ascii_case("none")
+        || (is_rate && (v.eq_ignore_ascii_case("max") || v.eq_ignore_ascii_case("unlimited")))
+    {
         return Ok(None);
     }
     let digits_end = v.find(|c: char| !c.is_ascii_digit()).unwrap_or(v.len());
     let (digits, suffix) = v.split_at(digits_end);
     if digits.is_empty() {
         return Err(err(if is_rate {
-            "expected a non-negative integer, `max` or `unlimited`"
+            "expected a non-negative integer, `max`, `unlimited` or `none`"
         } else {
-            "expected a non-negative integer"
+            "expected a non-negative integer or `none`"
         }));
     }
     let n: u64 = digits.parse().map_err(|_| err("number too large"))?;
@@ -435,6 +523,53 @@ mod tests {
         };
         assert!(l.is_unlimited());
         assert!(l.buckets().iter().all(Option::is_none));
+    }
+
+    #[test]
+    fn none_unsets_every_key() {
+        let l = Limits::parse("bps=1M,burst_bytes=none,iops=NONE").unwrap();
+        assert_eq!(
+            l,
+            Limits {
+                bps: Some(1 << 20),
+                ..Limits::UNLIMITED
+            }
+        );
+        // `max` is a rate's word only.
+        assert!(Limits::parse("bps=1M,burst_bytes=max").is_err());
+    }
+
+    #[cfg(feature = "serde")]
+    #[test]
+    fn json_form() {
+        let l: Limits = serde_json::from_str(
+            r#"{"bps": 1048576, "iops": 0, "rbps": null, "burst_ops": 7, "wiops": 100}"#,
+        )
+        .unwrap();
+        // 0 and null read as unset; unset keys are not written.
+        assert_eq!(
+            l,
+            Limits {
+                bps: Some(1 << 20),
+                wiops: Some(100),
+                burst_ops: Some(7),
+                ..Limits::UNLIMITED
+            }
+        );
+        assert_eq!(
+            serde_json::to_string(&l).unwrap(),
+            r#"{"bps":1048576,"wiops":100,"burst_ops":7}"#
+        );
+        assert_eq!(serde_json::to_string(&Limits::UNLIMITED).unwrap(), "{}");
+        assert_eq!(serde_json::from_str::<Limits>("{}").unwrap(), Limits::UNLIMITED);
+        for bad in [
+            r#"{"bsp": 1}"#,
+            r#"{"bps": -1}"#,
+            r#"{"bps": 1.5}"#,
+            r#"{"bps": "1M"}"#,
+        ] {
+            assert!(serde_json::from_str::<Limits>(bad).is_err(), "{bad}");
+        }
     }
 
     #[test]

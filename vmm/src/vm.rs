@@ -86,27 +86,12 @@ impl DiskConfig {
     /// Parses the CLI form `PATH[,readonly][,direct][,id=NAME][,bps=N,...]`.
     pub fn parse(s: &str) -> Result<Self, VmError> {
         let spec = DiskSpec::parse(s).map_err(|e| VmError::Config(format!("--disk {s}: {e}")))?;
-        let mut limits = Limits::default();
-        for (k, v) in &spec.options {
-            match limits.parse_kv(k, v) {
-                Ok(true) => {}
-                Ok(false) => {
-                    return Err(VmError::Config(format!(
-                        "--disk {s}: unknown option {k:?} (flags: readonly, direct; keys: id, bps, iops, rbps, wbps, riops, wiops, burst_bytes, burst_ops, onetime_bytes, onetime_ops)"
-                    )));
-                }
-                Err(e) => return Err(VmError::Config(format!("--disk {s}: {e}"))),
-            }
-        }
-        limits
-            .validate()
-            .map_err(|e| VmError::Config(format!("--disk {s}: {e}")))?;
         Ok(Self {
             id: spec.id,
             path: spec.path,
             read_only: spec.read_only,
             direct: spec.direct,
-            limits,
+            limits: spec.limits,
             group: None,
             file: None,
         })

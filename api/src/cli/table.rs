@@ -108,7 +108,7 @@ pub fn limits(l: &dto::Limits) -> String {
 /// The lines of one disk in `vm show`.
 pub fn disk_lines(d: &dto::Disk) -> Vec<String> {
     let mut flags = vec![];
-    if d.readonly {
+    if d.read_only {
         flags.push("read-only");
     }
     if d.direct {

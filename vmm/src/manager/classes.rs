@@ -233,7 +233,7 @@ mod tests {
                 cap,
                 reservation,
             },
-            io: IoLimits::default(),
+            io: Limits::default(),
         }
     }
 
@@ -283,9 +283,9 @@ mod tests {
         let e = m.create_class("zero", cpu(0, None, None)).unwrap_err();
         assert_eq!(e.kind(), ErrorKind::Invalid, "{e}");
         let bad_io = ClassConfig {
-            io: IoLimits {
+            io: Limits {
                 burst_bytes: Some(1 << 20),
-                ..IoLimits::default()
+                ..Limits::default()
             },
             ..cpu(100, None, None)
         };

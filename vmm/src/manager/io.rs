@@ -8,10 +8,10 @@ use super::*;
 pub(super) fn set_class_group(
     st: &mut State,
     class: &str,
-    io: &IoLimits,
+    io: &Limits,
 ) -> Result<(), ManagerError> {
     let now = crate::util::monotonic_ns();
-    let limits = io.to_blk();
+    let limits = *io;
     match st.class_groups.get(class) {
         Some(g) => g
             .set_limits(&limits, now)
@@ -31,7 +31,7 @@ impl Manager {
         &self,
         name: &str,
         disk: &str,
-        limits: IoLimits,
+        limits: Limits,
     ) -> Result<DiskInfo, ManagerError> {
         limits.validate()?;
         let e = self.entry(name)?;
@@ -47,7 +47,7 @@ impl Manager {
         }
         // The device thread swaps the limits between two requests and
         // answers once applied.
-        e.handle.set_disk_limits(disk, limits.to_blk())?;
+        e.handle.set_disk_limits(disk, limits)?;
         {
             let mut disks = lock(&e.disks);
             if let Some(d) = disks.iter_mut().find(|d| d.config.id == disk) {

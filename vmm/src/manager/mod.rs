@@ -173,7 +173,7 @@ struct State {
     vms: BTreeMap<String, Arc<Entry>>,
     /// Names of VMs being started (reserved).
     starting: BTreeMap<String, (VmId, u32, u64)>,
-    class_io: BTreeMap<String, IoLimits>,
+    class_io: BTreeMap<String, Limits>,
     /// Each class's I/O group: one throttle group shared by all disks of the
     /// class's VMs, with the class's `io` limits.
     class_groups: BTreeMap<String, ThrottleGroup>,

@@ -10,80 +10,15 @@ pub fn default_memory_budget_mib(host_mib: u64) -> u64 {
     host_mib.saturating_sub((host_mib / 10).max(1024))
 }
 
-/// Throttle limits of a disk or an I/O group. `None` (or 0) = no limit.
-/// Same meaning as `corral_blkthrottle::Limits`. Also the state file's form
-/// (absent = none), so the daemon's model and what it saves are one type.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct IoLimits {
-    /// Total bytes per second.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub bps: Option<u64>,
-    /// Total operations per second.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub iops: Option<u64>,
-    /// Read bytes per second.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub rbps: Option<u64>,
-    /// Write bytes per second.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub wbps: Option<u64>,
-    /// Read operations per second.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub riops: Option<u64>,
-    /// Write operations per second.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub wiops: Option<u64>,
-    /// Bucket size of the byte buckets.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub burst_bytes: Option<u64>,
-    /// Bucket size of the op buckets.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub burst_ops: Option<u64>,
-}
+/// Throttle limits of a disk or an I/O group: the throttle crate's own type,
+/// also the REST API's and the state file's form (its `serde` feature).
+pub use corral_blkthrottle::Limits;
 
-impl IoLimits {
-    /// Checks that every burst belongs to a rate of its unit.
-    pub fn validate(&self) -> Result<(), ManagerError> {
-        let nz = |v: Option<u64>| v.is_some_and(|x| x != 0);
-        let bytes = nz(self.bps) || nz(self.rbps) || nz(self.wbps);
-        let ops = nz(self.iops) || nz(self.riops) || nz(self.wiops);
-        if nz(self.burst_bytes) && !bytes {
-            return Err(ManagerError::Invalid(
-                "burst_bytes is set but none of bps, rbps, wbps is".into(),
-            ));
-        }
-        if nz(self.burst_ops) && !ops {
-            return Err(ManagerError::Invalid(
-                "burst_ops is set but none of iops, riops, wiops is".into(),
-            ));
-        }
-        Ok(())
-    }
-
-    /// The throttle crate's form.
-    pub fn to_blk(&self) -> corral_blkthrottle::Limits {
-        corral_blkthrottle::Limits {
-            bps: self.bps,
-            iops: self.iops,
-            rbps: self.rbps,
-            wbps: self.wbps,
-            riops: self.riops,
-            wiops: self.wiops,
-            burst_bytes: self.burst_bytes,
-            burst_ops: self.burst_ops,
-            onetime_bytes: None,
-            onetime_ops: None,
-        }
-    }
-
-    /// True if no rate is limited.
-    pub fn is_unlimited(&self) -> bool {
-        [
-            self.bps, self.iops, self.rbps, self.wbps, self.riops, self.wiops,
-        ]
-        .iter()
-        .all(|v| v.unwrap_or(0) == 0)
+/// A limits set that does not make sense (a burst without a rate) is the
+/// client's error.
+impl From<corral_blkthrottle::LimitsError> for ManagerError {
+    fn from(e: corral_blkthrottle::LimitsError) -> Self {
+        ManagerError::Invalid(e.to_string())
     }
 }
 
@@ -94,7 +29,7 @@ pub struct ClassConfig {
     /// CPU shares, cap, reservation.
     pub cpu: ClassSpec,
     /// Limits of the class's I/O group.
-    pub io: IoLimits,
+    pub io: Limits,
 }
 
 /// One disk of a VM, as a client requests it (the VMM's own form, with
@@ -110,7 +45,7 @@ pub struct DiskRequest {
     /// O_DIRECT.
     pub direct: bool,
     /// The disk's own limits.
-    pub limits: IoLimits,
+    pub limits: Limits,
 }
 
 /// A VM as requested.
@@ -421,51 +356,38 @@ mod tests {
     use super::*;
 
     #[test]
-    fn io_limits_need_a_rate_for_each_burst() {
-        let ok = IoLimits {
+    fn limits_need_a_rate_for_each_burst() {
+        let ok = Limits {
             bps: Some(1 << 20),
             burst_bytes: Some(1 << 16),
             riops: Some(100),
             burst_ops: Some(10),
-            ..IoLimits::default()
+            ..Limits::default()
         };
         ok.validate().unwrap();
         assert!(!ok.is_unlimited());
-        let b = ok.to_blk();
-        assert_eq!(
-            (b.bps, b.burst_bytes, b.riops, b.burst_ops),
-            (ok.bps, ok.burst_bytes, ok.riops, ok.burst_ops)
-        );
-        b.validate().unwrap();
         for bad in [
-            IoLimits {
+            Limits {
                 burst_bytes: Some(1),
                 iops: Some(5),
-                ..IoLimits::default()
+                ..Limits::default()
             },
-            IoLimits {
+            Limits {
                 burst_ops: Some(1),
                 wbps: Some(5),
-                ..IoLimits::default()
+                ..Limits::default()
             },
             // A zero rate is no rate.
-            IoLimits {
+            Limits {
                 burst_ops: Some(1),
                 iops: Some(0),
-                ..IoLimits::default()
+                ..Limits::default()
             },
         ] {
-            let e = bad.validate().unwrap_err();
+            let e = ManagerError::from(bad.validate().unwrap_err());
             assert_eq!(e.kind(), ErrorKind::Invalid, "{bad:?}");
+            assert!(e.to_string().contains("burst"), "{e}");
         }
-        assert!(IoLimits::default().is_unlimited());
-        assert!(
-            IoLimits {
-                bps: Some(0),
-                ..IoLimits::default()
-            }
-            .is_unlimited()
-        );
     }
 
     #[test]

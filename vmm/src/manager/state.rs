@@ -18,7 +18,7 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use super::{
-    ClassConfig, ClassInfo, DiskInfo, Entry, IoLimits, Manager, ManagerError, State, VmInfo,
+    ClassConfig, ClassInfo, DiskInfo, Entry, Limits, Manager, ManagerError, State, VmInfo,
     VmRequest, lock, validate_name,
 };
 use crate::handle::VmHandle;
@@ -28,7 +28,7 @@ use corral_scheduler::{ClassSpec, VmId};
 mod format;
 use format::write_atomic;
 pub use format::{
-    BACKUP_FILE, STATE_FILE, STATE_VERSION, SavedClass, SavedDisk, SavedIo, SavedVm, StateFile,
+    BACKUP_FILE, STATE_FILE, STATE_VERSION, SavedClass, SavedDisk, SavedVm, StateFile,
     parse_state, read_state,
 };
 
@@ -113,7 +113,7 @@ impl Manager {
                         .map(|d| SavedDisk {
                             id: d.config.id.clone(),
                             path: d.config.path.clone(),
-                            readonly: d.config.read_only,
+                            read_only: d.config.read_only,
                             direct: d.config.direct,
                             limits: d.config.limits,
                         })
@@ -383,7 +383,7 @@ impl Manager {
         &self,
         name: &str,
         disk: &str,
-        limits: IoLimits,
+        limits: Limits,
     ) -> Result<DiskInfo, ManagerError> {
         let mut p = lock(&self.persist);
         let old = lock(&self.entry(name)?.disks)

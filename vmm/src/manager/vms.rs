@@ -482,7 +482,7 @@ mod tests {
             path: "/nonexistent".into(),
             read_only: false,
             direct: false,
-            limits: IoLimits::default(),
+            limits: Limits::default(),
         };
         let mut r = VmRequest {
             disks: vec![disk(""), disk("data"), disk("")],

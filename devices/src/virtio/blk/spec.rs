@@ -1,6 +1,9 @@
-//! The `--disk` argument: `PATH[,readonly][,direct][,id=NAME][,key=value...]`.
+//! The `--disk` argument: `PATH[,readonly][,direct][,id=NAME][,key=value...]`,
+//! the one grammar of `corral run --disk` and `corral vm create --disk`.
 
 use std::path::PathBuf;
+
+use corral_blkthrottle::{Limits, LimitsError};
 
 /// Longest disk id (it is also the virtio serial, `VIRTIO_BLK_ID_BYTES`).
 pub const MAX_ID_LEN: usize = 20;
@@ -16,9 +19,9 @@ pub struct DiskSpec {
     pub direct: bool,
     /// Name of the disk (`id=`), also its serial number.
     pub id: Option<String>,
-    /// Other `key=value` options in order (throttle limits such as `bps=`,
-    /// `iops=`, parsed by `corral-blkthrottle`).
-    pub options: Vec<(String, String)>,
+    /// The disk's throttle limits (`bps=`, `iops=`, ...: the keys and values
+    /// of [`Limits::parse_kv`]), validated.
+    pub limits: Limits,
 }
 
 /// Errors parsing a [`DiskSpec`].
@@ -47,6 +50,15 @@ pub enum DiskSpecError {
     /// An id with characters outside `[A-Za-z0-9._-]` or too long.
     #[error("disk id `{0}` must be 1 to 20 characters of [A-Za-z0-9._-]")]
     BadId(String),
+    /// A `key=value` whose key is neither `id` nor a throttle key.
+    #[error(
+        "unknown disk option `{0}` (flags: readonly, ro, direct; keys: id, bps, rbps, wbps, \
+         iops, riops, wiops, burst_bytes, burst_ops, onetime_bytes, onetime_ops)"
+    )]
+    UnknownKey(String),
+    /// A throttle value that does not parse, or a burst without a rate.
+    #[error(transparent)]
+    Limits(#[from] LimitsError),
 }
 
 impl DiskSpec {
@@ -63,7 +75,7 @@ impl DiskSpec {
             read_only: false,
             direct: false,
             id: None,
-            options: Vec::new(),
+            limits: Limits::default(),
         };
         let mut seen: Vec<String> = Vec::new();
         for item in items {
@@ -96,9 +108,14 @@ impl DiskSpec {
                     }
                     spec.id = Some(v.to_string());
                 }
-                (k, Some(v)) => spec.options.push((k.to_string(), v.to_string())),
+                (k, Some(v)) => {
+                    if !spec.limits.parse_kv(k, v)? {
+                        return Err(DiskSpecError::UnknownKey(k.to_string()));
+                    }
+                }
             }
         }
+        spec.limits.validate()?;
         Ok(spec)
     }
 }
@@ -120,15 +137,9 @@ mod tests {
         assert_eq!(d.path, PathBuf::from("/img/a.raw"));
         assert!(d.read_only && d.direct);
         assert_eq!(d.id.as_deref(), Some("root"));
-        assert_eq!(
-            d.options,
-            vec![
-                ("bps".to_string(), "10M".to_string()),
-                ("iops".to_string(), "100".to_string())
-            ]
-        );
+        assert_eq!(d.limits, Limits::parse("bps=10M,iops=100").unwrap());
         let d: DiskSpec = "disk.img".parse().unwrap();
-        assert!(!d.read_only && !d.direct && d.id.is_none() && d.options.is_empty());
+        assert!(!d.read_only && !d.direct && d.id.is_none() && d.limits.is_unlimited());
         assert!(DiskSpec::parse("x,ro").unwrap().read_only);
     }
 
@@ -161,6 +172,19 @@ mod tests {
             DiskSpec::parse("a,id=012345678901234567890"),
             Err(BadId("012345678901234567890".into()))
         );
+        assert_eq!(
+            DiskSpec::parse("a,size=1G"),
+            Err(UnknownKey("size".into()))
+        );
+        // Operation counts take no suffix; a burst needs a rate.
+        assert!(matches!(
+            DiskSpec::parse("a,iops=1k"),
+            Err(Limits(LimitsError::InvalidValue { .. }))
+        ));
+        assert!(matches!(
+            DiskSpec::parse("a,burst_ops=8"),
+            Err(Limits(LimitsError::BurstWithoutRate { .. }))
+        ));
         // Messages name the culprit.
         assert!(
             DiskSpec::parse("a,foo")

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::manager::{DiskRequest, IoLimits, VmRequest};
+use crate::manager::{DiskRequest, Limits, VmRequest};
 
 /// The format this build writes and reads.
 pub const STATE_VERSION: u32 = 1;
@@ -28,10 +28,6 @@ pub struct StateFile {
     pub vms: Vec<SavedVm>,
 }
 
-/// I/O limits (absent = none): the manager's own type, which serialises as
-/// the state file wants it.
-pub type SavedIo = IoLimits;
-
 /// A class.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -43,7 +39,7 @@ pub struct SavedClass {
     pub cap: Option<u32>,
     pub reservation: Option<u32>,
     #[serde(default)]
-    pub io: SavedIo,
+    pub io: Limits,
 }
 
 /// A disk of a VM.
@@ -53,10 +49,12 @@ pub struct SavedClass {
 pub struct SavedDisk {
     pub id: String,
     pub path: PathBuf,
-    pub readonly: bool,
+    /// `readonly` in the file (version 1).
+    #[serde(rename = "readonly")]
+    pub read_only: bool,
     pub direct: bool,
     #[serde(default)]
-    pub limits: SavedIo,
+    pub limits: Limits,
 }
 
 /// A VM definition, with its current class, weight, cap and disk limits.
@@ -96,7 +94,7 @@ impl SavedVm {
                 .map(|d| DiskRequest {
                     id: d.id.clone(),
                     path: d.path.clone(),
-                    read_only: d.readonly,
+                    read_only: d.read_only,
                     direct: d.direct,
                     limits: d.limits,
                 })
