@@ -77,8 +77,7 @@ pub fn run(a: OverheadArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String), Be
     let disk = scratch.filled("disk0.img", disk_bytes)?;
     let timeout = Duration::from_secs(if quick { 60 } else { 600 });
 
-    let mut cpu_job =
-        Job::work(sz.cpu_units, sz.unit_iters, 1).with_disk(&disk, Limits::default());
+    let mut cpu_job = Job::work(sz.cpu_units, sz.unit_iters, 1).with_disk(&disk, Limits::default());
     let mut io_job = Job::blk_read(&disk, Limits::default(), sz.io_bytes, sz.io_bs, 4);
     // Size the probe jobs to --job-secs of guest time from one run each.
     let mut sizing = Vec::new();

@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 
 use corral_scheduler::ClassSpec;
 use corral_vmm::manager::{
-    ClassConfig, ConsoleWatch, CpuBackend, DiskRequest, Limits, Manager, ManagerConfig,
-    VmRequest, thread_cpu_ns,
+    ClassConfig, ConsoleWatch, CpuBackend, DiskRequest, Limits, Manager, ManagerConfig, VmRequest,
+    thread_cpu_ns,
 };
 
 use super::BenchError;

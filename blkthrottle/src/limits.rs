@@ -75,91 +75,61 @@ pub struct Limits {
     /// Total bytes per second.
     #[cfg_attr(
         feature = "serde",
-        serde(
-            skip_serializing_if = "Option::is_none",
-            deserialize_with = "nonzero"
-        )
+        serde(skip_serializing_if = "Option::is_none", deserialize_with = "nonzero")
     )]
     pub bps: Option<u64>,
     /// Read bytes per second.
     #[cfg_attr(
         feature = "serde",
-        serde(
-            skip_serializing_if = "Option::is_none",
-            deserialize_with = "nonzero"
-        )
+        serde(skip_serializing_if = "Option::is_none", deserialize_with = "nonzero")
     )]
     pub rbps: Option<u64>,
     /// Write bytes per second.
     #[cfg_attr(
         feature = "serde",
-        serde(
-            skip_serializing_if = "Option::is_none",
-            deserialize_with = "nonzero"
-        )
+        serde(skip_serializing_if = "Option::is_none", deserialize_with = "nonzero")
     )]
     pub wbps: Option<u64>,
     /// Total operations per second.
     #[cfg_attr(
         feature = "serde",
-        serde(
-            skip_serializing_if = "Option::is_none",
-            deserialize_with = "nonzero"
-        )
+        serde(skip_serializing_if = "Option::is_none", deserialize_with = "nonzero")
     )]
     pub iops: Option<u64>,
     /// Read operations per second.
     #[cfg_attr(
         feature = "serde",
-        serde(
-            skip_serializing_if = "Option::is_none",
-            deserialize_with = "nonzero"
-        )
+        serde(skip_serializing_if = "Option::is_none", deserialize_with = "nonzero")
     )]
     pub riops: Option<u64>,
     /// Write (and flush/other) operations per second.
     #[cfg_attr(
         feature = "serde",
-        serde(
-            skip_serializing_if = "Option::is_none",
-            deserialize_with = "nonzero"
-        )
+        serde(skip_serializing_if = "Option::is_none", deserialize_with = "nonzero")
     )]
     pub wiops: Option<u64>,
     /// Capacity of every bytes bucket, in bytes.
     #[cfg_attr(
         feature = "serde",
-        serde(
-            skip_serializing_if = "Option::is_none",
-            deserialize_with = "nonzero"
-        )
+        serde(skip_serializing_if = "Option::is_none", deserialize_with = "nonzero")
     )]
     pub burst_bytes: Option<u64>,
     /// Capacity of every ops bucket, in operations.
     #[cfg_attr(
         feature = "serde",
-        serde(
-            skip_serializing_if = "Option::is_none",
-            deserialize_with = "nonzero"
-        )
+        serde(skip_serializing_if = "Option::is_none", deserialize_with = "nonzero")
     )]
     pub burst_ops: Option<u64>,
     /// One-time extra bytes for every bytes bucket.
     #[cfg_attr(
         feature = "serde",
-        serde(
-            skip_serializing_if = "Option::is_none",
-            deserialize_with = "nonzero"
-        )
+        serde(skip_serializing_if = "Option::is_none", deserialize_with = "nonzero")
     )]
     pub onetime_bytes: Option<u64>,
     /// One-time extra operations for every ops bucket.
     #[cfg_attr(
         feature = "serde",
-        serde(
-            skip_serializing_if = "Option::is_none",
-            deserialize_with = "nonzero"
-        )
+        serde(skip_serializing_if = "Option::is_none", deserialize_with = "nonzero")
     )]
     pub onetime_ops: Option<u64>,
 }
@@ -561,7 +531,10 @@ mod tests {
             r#"{"bps":1048576,"wiops":100,"burst_ops":7}"#
         );
         assert_eq!(serde_json::to_string(&Limits::UNLIMITED).unwrap(), "{}");
-        assert_eq!(serde_json::from_str::<Limits>("{}").unwrap(), Limits::UNLIMITED);
+        assert_eq!(
+            serde_json::from_str::<Limits>("{}").unwrap(),
+            Limits::UNLIMITED
+        );
         for bad in [
             r#"{"bsp": 1}"#,
             r#"{"bps": -1}"#,

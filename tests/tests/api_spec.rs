@@ -376,3 +376,38 @@ fn metrics_are_valid_exposition() {
         }
     }
 }
+
+/// The spec's figures and shapes are the code's: a VM's `disks` allow
+/// `MAX_DISKS` items (one IRQ each), and `Limits` has exactly the keys of
+/// the one limits type.
+#[test]
+fn spec_limits_are_the_codes() {
+    let spec = spec();
+    let schemas = &spec["components"]["schemas"];
+    assert_eq!(
+        schemas["VmCreate"]["properties"]["disks"]["maxItems"],
+        json!(corral_vmm::vm::MAX_DISKS),
+        "maxItems of VmCreate.disks"
+    );
+    assert_eq!(corral_vmm::manager::MAX_DISKS, corral_vmm::vm::MAX_DISKS);
+    assert_eq!(corral_vmm::vm::MAX_DISKS, corral_vmm::vm::VIRTIO_IRQS.len());
+    let all = corral_vmm::manager::Limits::parse(
+        "bps=1,rbps=1,wbps=1,iops=1,riops=1,wiops=1,burst_bytes=1,burst_ops=1,\
+         onetime_bytes=1,onetime_ops=1",
+    )
+    .unwrap();
+    let keys: BTreeSet<String> = serde_json::to_value(all)
+        .unwrap()
+        .as_object()
+        .unwrap()
+        .keys()
+        .cloned()
+        .collect();
+    let documented: BTreeSet<String> = schemas["Limits"]["properties"]
+        .as_object()
+        .unwrap()
+        .keys()
+        .cloned()
+        .collect();
+    assert_eq!(keys, documented);
+}

@@ -58,8 +58,8 @@ pub const DEFAULT_CLASS: &str = "default";
 pub const DEFAULT_LINUX_CMDLINE: &str = "console=ttyS0 reboot=k panic=-1";
 /// Longest VM, disk or group name, in bytes.
 pub const MAX_NAME_LEN: usize = 64;
-/// Most disks per VM.
-pub const MAX_DISKS: usize = 16;
+/// Most disks per VM (one IRQ of the VMM's pool each).
+pub use crate::vm::MAX_DISKS;
 /// Most vCPUs per VM accepted by the manager (KVM may allow fewer).
 pub const MAX_VM_VCPUS: u32 = 254;
 /// Most classes by default (`--max-classes`).

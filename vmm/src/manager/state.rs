@@ -25,11 +25,13 @@ use crate::handle::VmHandle;
 use crate::vm::ExitReason;
 use corral_scheduler::{ClassSpec, VmId};
 
+#[cfg(test)]
+mod compat_tests;
 mod format;
 use format::write_atomic;
 pub use format::{
-    BACKUP_FILE, STATE_FILE, STATE_VERSION, SavedClass, SavedDisk, SavedVm, StateFile,
-    parse_state, read_state,
+    BACKUP_FILE, STATE_FILE, STATE_VERSION, SavedClass, SavedDisk, SavedVm, StateFile, parse_state,
+    read_state,
 };
 
 /// Where the state goes and which VMs are meant to run. Its lock is held

@@ -172,10 +172,7 @@ mod tests {
             DiskSpec::parse("a,id=012345678901234567890"),
             Err(BadId("012345678901234567890".into()))
         );
-        assert_eq!(
-            DiskSpec::parse("a,size=1G"),
-            Err(UnknownKey("size".into()))
-        );
+        assert_eq!(DiskSpec::parse("a,size=1G"), Err(UnknownKey("size".into())));
         // Operation counts take no suffix; a burst needs a rate.
         assert!(matches!(
             DiskSpec::parse("a,iops=1k"),
