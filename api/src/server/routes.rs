@@ -247,7 +247,7 @@ async fn patch_disk(
     ApiPath((id, disk)): ApiPath<(String, String)>,
     ApiJson(body): ApiJson<dto::Limits>,
 ) -> ApiResult<Json<dto::Disk>> {
-    let d = blocking(&s.mgr, move |m| m.set_disk_limits(&id, &disk, body.into())).await?;
+    let d = blocking(&s.mgr, move |m| m.set_disk_limits(&id, &disk, body)).await?;
     Ok(Json(d.into()))
 }
 
