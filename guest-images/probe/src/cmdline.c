@@ -110,6 +110,8 @@ const char *cmdline_parse(void)
 	params.blk_flush = 0;
 	params.blk_seed = 1;
 	params.blk_timeout_ms = 10000;
+	params.blk_irq = true;
+	params.blk_spin_us = 50;
 	set_str(params.evil_case, sizeof(params.evil_case), "read", 4);
 	n_vmmio = 0;
 
@@ -176,6 +178,11 @@ const char *cmdline_parse(void)
 			ok = parse_size(v, vl, &params.blk_seed);
 		} else if (str_eq_n(tok, kl, "probe.timeout_ms")) {
 			ok = num_param(v, vl, 1, 86400000, &params.blk_timeout_ms);
+		} else if (str_eq_n(tok, kl, "probe.wait")) {
+			ok = str_eq_n(v, vl, "irq") || str_eq_n(v, vl, "poll");
+			params.blk_irq = str_eq_n(v, vl, "irq");
+		} else if (str_eq_n(tok, kl, "probe.spin_us")) {
+			ok = num_param(v, vl, 0, 1000000, &params.blk_spin_us);
 		} else if (str_eq_n(tok, kl, "probe.case")) {
 			ok = vl > 0 && vl < sizeof(params.evil_case);
 			if (ok)

@@ -132,6 +132,7 @@ static const char *do_io(const struct vblk_dev *d, u32 disk)
 	memset(&st, 0, sizeof(st));
 	st.first_mismatch = ~0UL;
 	vblk_notifies = vblk_notifies_skipped = 0;
+	irq_count = irq_sleeps = irq_timeouts = 0;
 	const char *reason = NULL;
 	u64 flush_us = 0, write_us = 0, read_us = 0;
 	bool flushed = false;
@@ -191,9 +192,11 @@ static const char *do_io(const struct vblk_dev *d, u32 disk)
 
 	console_lock();
 	kprintf_unlocked("PROBE-RESULT mode=blk disk=%u op=%s requests=%lu errors=%lu bytes=%lu "
-			 "us=%lu capacity=%lu bs=%u qd=%u notifies=%lu skipped=%lu",
+			 "us=%lu capacity=%lu bs=%u qd=%u notifies=%lu skipped=%lu wait=%s sleeps=%lu "
+			 "irqs=%lu timer_wakes=%lu",
 			 disk, op, st.requests, st.errors, st.bytes, cyc_us(st.cycles), d->capacity,
-			 bs, qd, vblk_notifies, vblk_notifies_skipped);
+			 bs, qd, vblk_notifies, vblk_notifies_skipped, d->irq ? "irq" : "poll",
+			 irq_sleeps, irq_count, irq_timeouts);
 	if (verify && strcmp(op, "verify") == 0)
 		kprintf_unlocked(" mismatches=%lu write_us=%lu read_us=%lu", st.mismatches, write_us,
 				 read_us);
@@ -216,10 +219,21 @@ static const char *run_disk(u32 disk)
 		kprintf("PROBE-ERROR blk disk=%u base=0x%lx setup %s\n", disk, d.base, why);
 		return "device-setup";
 	}
+	if (params.blk_irq) {
+		why = irq_attach(vmmio[disk].irq);
+		if (why) {
+			kprintf("PROBE-ERROR blk disk=%u irq=%u setup %s\n", disk, vmmio[disk].irq,
+				why);
+			vblk_reset(&d);
+			return "device-setup";
+		}
+		d.irq = true;
+		d.spin_tsc = us_to_tsc(params.blk_spin_us);
+	}
 	kprintf("PROBE-BLK disk=%u base=0x%lx irq=%u capacity=%lu features=0x%lx ro=%u "
-		"seg_max=%u blk_size=%u qsize=%u\n",
+		"seg_max=%u blk_size=%u qsize=%u wait=%s\n",
 		disk, d.base, vmmio[disk].irq, d.capacity, d.dev_features, d.ro ? 1 : 0,
-		d.seg_max, d.blk_size, d.qsize);
+		d.seg_max, d.blk_size, d.qsize, d.irq ? "irq" : "poll");
 
 	const char *r;
 	const char *op = params.blk_op;
@@ -240,6 +254,7 @@ static const char *run_disk(u32 disk)
 		r = r ?: "device-needs-reset";
 	}
 	vblk_reset(&d);
+	irq_detach();
 	return r;
 }
 

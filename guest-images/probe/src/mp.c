@@ -1,4 +1,4 @@
-/* mp.c - find the Intel MP table and count the enabled processors. */
+/* mp.c - find the Intel MP table: the enabled processors and the first IOAPIC. */
 #include "probe.h"
 
 struct mp_info mp;
@@ -54,6 +54,8 @@ static bool parse_config(u64 addr)
 			break; /* unknown entry type: its length is unknown, stop */
 		if (type == 0 && (t[off + 3] & 1) && mp.ncpus < MAX_CPUS)
 			mp.apic_ids[mp.ncpus++] = t[off + 1];
+		if (type == 2 && (t[off + 3] & 1) && !mp.ioapic_addr)
+			mp.ioapic_addr = *(const volatile u32 *)(t + off + 4); /* the first one */
 		off += size;
 	}
 	return mp.ncpus > 0;

@@ -118,6 +118,8 @@ struct probe_params {
 	u64 blk_timeout_ms;/* no-progress timeout */
 	char evil_case[32];/* evil: which fault (probe.case) */
 	u64 pwrbtn;        /* spin: power off when the ACPI power button is pressed */
+	bool blk_irq;      /* probe.wait=irq (default) | poll */
+	u64 blk_spin_us;   /* irq: poll this long before sleeping */
 };
 /* virtio_mmio.device=<size>@<base>:<irq>[:<id>] entries, in command-line order. */
 #define MAX_VMMIO 16
@@ -140,6 +142,7 @@ const char *cmdline_parse(void);
 struct mp_info {
 	bool found;
 	u32 lapic_addr;
+	u32 ioapic_addr;        /* first enabled IOAPIC, 0 = none listed */
 	u32 ncpus;              /* enabled processor entries */
 	u8 apic_ids[MAX_CPUS];  /* enabled processors (first MAX_CPUS) */
 };
@@ -150,7 +153,11 @@ void mp_scan(void);
 extern volatile u32 cpus_online;   /* CPUs admitted (BSP included) */
 extern u32 cpus_expected;
 extern u32 cpu_apic_id[MAX_CPUS];
+extern u64 lapic;   /* xAPIC MMIO base, set by apic_init_bsp() */
+extern bool x2apic; /* the local APIC is in x2APIC mode */
 u32 this_apic_id(void);
+/* Reads the APIC base, software-enables the local APIC (idempotent). */
+void apic_init_bsp(void);
 /* Start the APs and wait (bounded) for them; returns number online. */
 u32 smp_boot(u64 wait_ms);
 /* Per-run rendezvous: BSP releases APs into the mode's per-CPU function. */
@@ -160,6 +167,18 @@ bool smp_wait_done(u64 timeout_ms);
 
 /* ---- trap.c ---- */
 void idt_load(void);
+
+/* ---- irq.c ---- */
+/* Routes IOAPIC pin `irq` (edge, active high) to this CPU and installs the
+ * interrupt's IDT entry. NULL or an error text. */
+const char *irq_attach(u32 irq);
+void irq_detach(void);      /* masks the pin again */
+/* Sleeps (sti; hlt) until an interrupt, or at the latest until TSC value
+ * `until`. The caller has checked its condition with interrupts off, after
+ * enabling the device's interrupt; an interrupt raised in between is pending
+ * and ends the hlt at once, so no wake-up is lost. */
+void irq_sleep(u64 until);
+extern u64 irq_count, irq_sleeps, irq_timeouts; /* device interrupts taken, hlts, bounds hit */
 
 /* ---- main.c ---- */
 extern u64 boot_tsc;
@@ -192,6 +211,8 @@ extern char __image_end[];
 #define VBLK_BAD_COMPLETION 0x101
 struct vblk_dev {
 	u64 base;
+	bool irq;                   /* waits sleep until the used-ring interrupt (probe.wait=irq) */
+	u64 spin_tsc;               /* irq: poll this many TSC cycles before sleeping */
 	u64 dev_features, features; /* offered, accepted */
 	u64 capacity;               /* 512-byte sectors */
 	u32 seg_max, blk_size;

@@ -23,8 +23,8 @@ u32 cpu_apic_id[MAX_CPUS];
 static volatile u32 admit;   /* CPUs admitted | ADMIT_CLOSED */
 static volatile u32 go;      /* BSP released the mode's work */
 static volatile u32 done;    /* APs that finished the mode's work */
-static u64 lapic;            /* xAPIC MMIO base */
-static bool x2apic;
+u64 lapic;                   /* xAPIC MMIO base (irq.c uses it too) */
+bool x2apic;
 
 u32 this_apic_id(void)
 {
@@ -57,7 +57,7 @@ static void send_ipi(u32 dest, u32 lo)
 	icr_wait_idle();
 }
 
-static void apic_init_bsp(void)
+void apic_init_bsp(void)
 {
 	u64 base = rdmsr(MSR_APIC_BASE);
 	x2apic = (base & APIC_BASE_X2APIC) != 0;

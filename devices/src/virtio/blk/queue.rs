@@ -69,7 +69,6 @@ impl Block {
                         return;
                     }
                 };
-                used_any = true;
                 budget -= 1;
                 if budget == 0 {
                     // Let the other event sources run; come back soon.
@@ -85,6 +84,7 @@ impl Block {
                     Ok(r) => r,
                     Err(m) => {
                         self.engine.malformed(act, m);
+                        used_any = true;
                         if act.broken {
                             return;
                         }
@@ -100,12 +100,15 @@ impl Block {
                     if let Some(g) = self.throttle.as_mut() {
                         g.note_enqueued();
                     }
+                    // Held back: nothing used yet, so no interrupt for it
+                    // (one would wake a sleeping driver for nothing).
                     act.waiting = Some(Waiting { req, taken_at });
                     arm(&self.timer, until);
                     break 'outer;
                 }
                 self.engine
                     .complete(act, self.throttle.as_deref_mut(), &req, taken_at);
+                used_any = true;
                 if act.broken {
                     return;
                 }
@@ -124,6 +127,12 @@ impl Block {
             // VRING_AVAIL_F_NO_INTERRUPT flag; the spec says the device
             // should not interrupt then (a polling driver asked for none, and
             // each needless interrupt kicks its vCPU out of the guest).
+            // The fence orders the used->idx store before the flag load: a
+            // driver that clears the flag, fences and re-reads used->idx
+            // before it sleeps (the probe's probe.wait=irq) is then either
+            // seen here or sees the new index; without it the load could
+            // pass the store and the interrupt be lost (virtio 1.2, 2.7.10).
+            std::sync::atomic::fence(Ordering::SeqCst);
             let suppressed = !act.event_idx && avail_no_interrupt(&act.mem, act.queue.avail_ring());
             if !suppressed {
                 match act.queue.needs_notification(&act.mem) {
