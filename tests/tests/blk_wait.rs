@@ -43,9 +43,11 @@ fn a_throttled_job_sleeps_instead_of_spinning() {
         let r = d.req(
             "POST",
             "/v1/classes",
-            Some(&json!({"name": format!("c{wait}"), "shares": 100,
+            Some(
+                &json!({"name": format!("c{wait}"), "shares": 100,
                          "io": {"iops": 100, "burst_ops": 1}})
-            .to_string()),
+                .to_string(),
+            ),
         );
         assert_eq!(r.status, 201, "{}", r.text());
         let p = dir.join(format!("{wait}.img"));

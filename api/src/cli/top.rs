@@ -64,18 +64,27 @@ pub struct TopVm {
     pub throttled_ms_per_second: f64,
 }
 
-/// A class's line in `top`.
+/// A class's line in `top`. Classes come in tree order (each class
+/// followed by its children); the figures of a class include its
+/// descendants' VMs.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct TopClass {
     pub name: String,
+    /// Its parent class, `None` at the top of the tree.
+    pub parent: Option<String>,
+    /// Levels below the top (0 for a root class).
+    pub depth: usize,
     pub shares: u32,
+    /// VMs in the class and its descendants.
     pub vms: usize,
-    /// CPU used over the interval, percent of one host CPU.
+    /// CPU used over the interval by the class and its descendants,
+    /// percent of one host CPU.
     pub cpu_pct: f64,
     /// Its part of all CPU used by VMs, percent.
     pub share_pct: f64,
-    /// Part of the VMs' CPU the shares promise among the classes with
-    /// running VMs, percent.
+    /// Part of the VMs' CPU the shares promise, percent: the parent's part
+    /// (all of it at the top) divided by shares among the sibling classes
+    /// with running VMs in their subtree.
     pub expected_pct: f64,
     /// Entitlement, percent of one host CPU.
     pub entitlement_pct: Option<f64>,
@@ -132,35 +141,7 @@ pub fn top_sample(
     for v in &mut vms {
         v.share_pct = part(v.cpu_pct);
     }
-    let active_shares: u32 = classes
-        .iter()
-        .filter(|c| {
-            vms.iter()
-                .any(|v| v.class == c.name && v.state == "running")
-        })
-        .map(|c| c.shares)
-        .sum();
-    let classes = classes
-        .iter()
-        .map(|c| {
-            let mine: Vec<&TopVm> = vms.iter().filter(|v| v.class == c.name).collect();
-            let cpu: f64 = mine.iter().map(|v| v.cpu_pct).sum();
-            let running = mine.iter().any(|v| v.state == "running");
-            TopClass {
-                name: c.name.clone(),
-                shares: c.shares,
-                vms: mine.len(),
-                cpu_pct: cpu,
-                share_pct: part(cpu),
-                expected_pct: if running && active_shares > 0 {
-                    f64::from(c.shares) / f64::from(active_shares) * 100.0
-                } else {
-                    0.0
-                },
-                entitlement_pct: c.entitlement_pct,
-            }
-        })
-        .collect();
+    let classes = class_rows(classes, &vms, part);
     TopSample {
         interval_seconds: dt,
         vms,
@@ -168,12 +149,105 @@ pub fn top_sample(
     }
 }
 
+/// The class rows in tree order (depth first, siblings in the API's
+/// order). A class whose parent is not in `classes` (the demo shows a
+/// subset) is a root.
+fn class_rows(classes: &[dto::Class], vms: &[TopVm], part: impl Fn(f64) -> f64) -> Vec<TopClass> {
+    let n = classes.len();
+    let idx = |name: &str| classes.iter().position(|c| c.name == name);
+    let parent: Vec<Option<usize>> = classes
+        .iter()
+        .map(|c| c.parent.as_deref().and_then(idx))
+        .collect();
+    // Whether class `i` is `a` or below it (bounded: the model limits the
+    // depth; the bound only stops a corrupt cycle).
+    let within = |mut i: usize, a: usize| {
+        for _ in 0..=n {
+            if i == a {
+                return true;
+            }
+            match parent.get(i).copied().flatten() {
+                Some(p) => i = p,
+                None => return false,
+            }
+        }
+        false
+    };
+    let vm_class: Vec<Option<usize>> = vms.iter().map(|v| idx(&v.class)).collect();
+    let subtree = |a: usize| {
+        vms.iter()
+            .zip(&vm_class)
+            .filter(move |(_, c)| c.is_some_and(|c| within(c, a)))
+            .map(|(v, _)| v)
+    };
+    let active: Vec<bool> = (0..n)
+        .map(|a| subtree(a).any(|v| v.state == "running"))
+        .collect();
+    // The children of `p` with the part each is promised of `portion`.
+    let children = |p: Option<usize>, portion: f64| -> Vec<(usize, f64)> {
+        let kids: Vec<usize> = (0..n).filter(|&i| parent[i] == p).collect();
+        let active_shares: u32 = kids
+            .iter()
+            .filter(|&&i| active[i])
+            .map(|&i| classes[i].shares)
+            .sum();
+        kids.into_iter()
+            .map(|i| {
+                let e = if active[i] && active_shares > 0 {
+                    portion * f64::from(classes[i].shares) / f64::from(active_shares)
+                } else {
+                    0.0
+                };
+                (i, e)
+            })
+            .collect()
+    };
+    let mut rows = Vec::with_capacity(n);
+    let mut stack: Vec<(usize, usize, f64)> = children(None, 100.0)
+        .into_iter()
+        .rev()
+        .map(|(i, e)| (i, 0, e))
+        .collect();
+    while let Some((i, depth, expected)) = stack.pop() {
+        let c = &classes[i];
+        let cpu: f64 = subtree(i).map(|v| v.cpu_pct).sum();
+        rows.push(TopClass {
+            name: c.name.clone(),
+            parent: parent[i].map(|p| classes[p].name.clone()),
+            depth,
+            shares: c.shares,
+            vms: subtree(i).count(),
+            cpu_pct: cpu,
+            share_pct: part(cpu),
+            expected_pct: expected,
+            entitlement_pct: c.entitlement_pct,
+        });
+        if depth < n {
+            stack.extend(
+                children(Some(i), expected)
+                    .into_iter()
+                    .rev()
+                    .map(|(k, e)| (k, depth + 1, e)),
+            );
+        }
+    }
+    rows
+}
+
+/// A class's CLASS cell: its name, two spaces in per level.
+fn class_cell(c: &TopClass) -> String {
+    format!("{:indent$}{}", "", c.name, indent = 2 * c.depth)
+}
+
 /// What the columns mean, printed under the tables.
 pub const LEGEND: &str = "\
 CPU%, ENT%   percent of one host CPU (100 = one CPU, 200 = two): used over the
              interval, and what the scheduler entitles it to (- = no scheduler)
 PART%        its part of all the CPU the VMs used over the interval
-PROMISED%    the part its class's shares promise, among classes with running VMs
+PROMISED%    the part its class's shares promise: its parent's part divided by
+             shares among the sibling classes with running VMs
+CLASS        children are indented under their parent; a class's figures
+             include its descendants'
 READ, WRITE  disk bytes per second over the interval, all of the VM's disks
 THROTTLED    time its disk requests waited for tokens, ms per second
              (more than 1000 when several requests wait at once)
@@ -231,7 +305,7 @@ pub fn print_top(s: &TopSample) {
             .iter()
             .map(|c| {
                 vec![
-                    c.name.clone(),
+                    class_cell(c),
                     c.shares.to_string(),
                     c.vms.to_string(),
                     num1(c.cpu_pct),
@@ -304,3 +378,7 @@ pub async fn top(c: &Client, a: TopArgs, json: bool) -> Result<TopEnd, CliError>
         _ = tokio::signal::ctrl_c() => Ok(TopEnd::Interrupted),
     }
 }
+
+#[cfg(test)]
+#[path = "top_tests.rs"]
+mod tests;
