@@ -1,6 +1,6 @@
 //! The `corral` client through the real binary: help sections, host names
 //! in `--listen`, `disk limit` merging, human `vm show`, `top`'s legend,
-//! units and I/O columns, and Ctrl-C in `top`.
+//! units and I/O columns, its class tree, and Ctrl-C in `top`.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -334,6 +334,50 @@ fn ctrl_c_in_top_exits_130() {
     let status = wait_until(Duration::from_secs(10), || child.try_wait().ok().flatten())
         .expect("top exits on Ctrl-C");
     assert_eq!(status.code(), Some(130), "{status:?}");
+}
+
+#[test]
+fn top_shows_the_class_tree() {
+    let d = Daemon::start(&[]);
+    for body in [
+        json!({"name": "tenant-a", "shares": 1}),
+        json!({"name": "tenant-b", "shares": 1}),
+        json!({"name": "gold", "parent": "tenant-a", "shares": 3}),
+        json!({"name": "bronze", "parent": "tenant-a", "shares": 1}),
+    ] {
+        let r = d.req("POST", "/v1/classes", Some(&body.to_string()));
+        assert_eq!(r.status, 201, "{}", r.text());
+    }
+    let (code, out, err) = cli(&d, &["top", "--once", "--interval", "0.2"]);
+    assert_eq!(code, Some(0), "{err}");
+    let rows: Vec<&str> = out
+        .lines()
+        .skip_while(|l| !l.starts_with("CLASS "))
+        .skip(1)
+        .take_while(|l| !l.trim().is_empty())
+        .collect();
+    let pos = |p: &str| {
+        rows.iter()
+            .position(|l| l.starts_with(p))
+            .unwrap_or_else(|| panic!("no row {p:?}:\n{out}"))
+    };
+    let (a, g, b, tb) = (
+        pos("tenant-a "),
+        pos("  gold "),
+        pos("  bronze "),
+        pos("tenant-b "),
+    );
+    assert!(a < g && a < b && g.max(b) < tb, "not in tree order:\n{out}");
+    let (_, out, _) = cli(&d, &["--json", "top", "--once", "--interval", "0.2"]);
+    let j: serde_json::Value = serde_json::from_str(out.trim()).expect("JSON");
+    let gold = j["classes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["name"] == "gold")
+        .unwrap();
+    assert_eq!(gold["parent"], "tenant-a", "{gold}");
+    assert_eq!(gold["depth"], 1, "{gold}");
 }
 
 #[test]
