@@ -8,6 +8,7 @@
 //! `_ratio` of one host CPU (1 = one CPU, 1.5 = one and a half; the API's
 //! percent figures divided by 100). Counts are integer counters.
 
+mod disk;
 pub mod expo;
 pub mod http;
 pub mod process;
@@ -348,6 +349,8 @@ pub fn render(m: &Manager, format: Format) -> String {
             }
         }
     }
+
+    disk::register(&mut r, m);
 
     // Class I/O groups (one throttle group per class, shared by its disks).
     let gio = IoFams::new(&mut r, "corral_group", "class's I/O group");

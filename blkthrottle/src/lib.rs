@@ -132,7 +132,7 @@ mod throttle;
 
 pub use group::{DEFAULT_FAIRNESS_WINDOW_NS, DEFAULT_WEIGHT, ThrottleGroup, Waker};
 pub use limits::{Limits, LimitsError};
-pub use stats::{Histogram, LATENCY_BOUNDS_NS, LATENCY_BUCKETS, OpStats, Stats};
+pub use stats::{Histogram, LATENCY_BOUNDS_NS, LATENCY_BUCKETS, OpStats, SharedStats, Stats};
 pub use throttle::{Decision, Throttle, WaitCause};
 
 /// Nanoseconds on the caller's monotonic clock.

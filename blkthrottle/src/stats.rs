@@ -204,6 +204,100 @@ impl Stats {
     }
 }
 
+/// Counters of one op kind, as atomics.
+#[derive(Debug, Default)]
+struct AtomicOpStats {
+    ops: AtomicU64,
+    bytes: AtomicU64,
+    latency: AtomicHistogram,
+}
+
+impl AtomicOpStats {
+    fn snapshot(&self) -> OpStats {
+        OpStats {
+            ops: self.ops.load(Ordering::Relaxed),
+            bytes: self.bytes.load(Ordering::Relaxed),
+            latency: self.latency.snapshot(),
+        }
+    }
+}
+
+/// A disk's counters as atomics: written by its [`crate::Throttle`] (on the
+/// device's thread), read by any thread without a lock
+/// ([`SharedStats::snapshot`]). A device can keep one for the disk's life
+/// and hand it to each throttle it installs ([`crate::Throttle::count_into`]),
+/// so the disk's counters never go back when its throttle is replaced.
+///
+/// A snapshot reads the fields one by one: taken while requests are
+/// admitted it may count a request's op and not yet its bytes.
+#[derive(Debug, Default)]
+pub struct SharedStats {
+    read: AtomicOpStats,
+    write: AtomicOpStats,
+    other: AtomicOpStats,
+    throttled_requests: AtomicU64,
+    throttled_ns: AtomicU64,
+    queue_depth: AtomicU64,
+}
+
+impl SharedStats {
+    /// The counters now.
+    pub fn snapshot(&self) -> Stats {
+        Stats {
+            read: self.read.snapshot(),
+            write: self.write.snapshot(),
+            other: self.other.snapshot(),
+            throttled_requests: self.throttled_requests.load(Ordering::Relaxed),
+            throttled_ns: self.throttled_ns.load(Ordering::Relaxed),
+            queue_depth: self.queue_depth.load(Ordering::Relaxed),
+        }
+    }
+
+    fn op(&self, kind: OpKind) -> &AtomicOpStats {
+        match kind {
+            OpKind::Read => &self.read,
+            OpKind::Write => &self.write,
+            OpKind::Other => &self.other,
+        }
+    }
+
+    /// Counts an admitted request (see [`Stats::admitted`]).
+    pub(crate) fn admitted(
+        &self,
+        kind: OpKind,
+        bytes: u64,
+        waited_since: Option<Nanos>,
+        now: Nanos,
+    ) {
+        let o = self.op(kind);
+        o.ops.fetch_add(1, Ordering::Relaxed);
+        o.bytes.fetch_add(bytes, Ordering::Relaxed);
+        if let Some(t0) = waited_since {
+            self.throttled_requests.fetch_add(1, Ordering::Relaxed);
+            self.throttled_ns
+                .fetch_add(now.saturating_sub(t0), Ordering::Relaxed);
+        }
+    }
+
+    pub(crate) fn observe_latency(&self, kind: OpKind, ns: Nanos) {
+        self.op(kind).latency.observe(ns);
+    }
+
+    /// Adds `d` (may be negative) to the queue depth, which the owning
+    /// throttle keeps non-negative.
+    pub(crate) fn add_queue_depth(&self, d: i64) {
+        if d >= 0 {
+            self.queue_depth.fetch_add(d as u64, Ordering::Relaxed);
+        } else {
+            let _ = self
+                .queue_depth
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |q| {
+                    Some(q.saturating_sub(d.unsigned_abs()))
+                });
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -230,5 +324,20 @@ mod tests {
         let a = AtomicHistogram::default();
         a.observe(10_001);
         assert_eq!(a.snapshot().counts[1], 1);
+    }
+
+    #[test]
+    fn shared_stats_snapshot_matches_what_was_counted() {
+        let s = SharedStats::default();
+        s.admitted(OpKind::Read, 4096, None, 10);
+        s.admitted(OpKind::Write, 512, Some(5), 30);
+        s.observe_latency(OpKind::Read, 20_000);
+        s.add_queue_depth(2);
+        s.add_queue_depth(-3);
+        let mut want = Stats::default();
+        want.admitted(OpKind::Read, 4096, None, 10);
+        want.admitted(OpKind::Write, 512, Some(5), 30);
+        want.read.latency.observe(20_000);
+        assert_eq!(s.snapshot(), want);
     }
 }

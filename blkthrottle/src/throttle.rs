@@ -3,7 +3,9 @@
 use crate::bucket::Limiter;
 use crate::group::{ThrottleGroup, Waker, wake};
 use crate::limits::{Limits, LimitsError};
-use crate::stats::Stats;
+use std::sync::Arc;
+
+use crate::stats::{SharedStats, Stats};
 use crate::{Nanos, OpKind, Request};
 
 /// Answer to [`Throttle::poll`].
@@ -60,7 +62,7 @@ pub struct Throttle {
     /// First refusal of the current head request.
     waiting_since: Option<Nanos>,
     queue_depth: u64,
-    stats: Stats,
+    stats: Arc<SharedStats>,
 }
 
 impl std::fmt::Debug for Throttle {
@@ -83,7 +85,7 @@ impl Throttle {
             group: None,
             waiting_since: None,
             queue_depth: 0,
-            stats: Stats::default(),
+            stats: Arc::default(),
         })
     }
 
@@ -240,6 +242,7 @@ impl Throttle {
     /// The device queued a request behind the throttle.
     pub fn note_enqueued(&mut self) {
         self.queue_depth += 1;
+        self.stats.add_queue_depth(1);
         if let Some(m) = &self.group {
             m.group.add_queue_depth(1);
         }
@@ -249,6 +252,7 @@ impl Throttle {
     pub fn note_dequeued(&mut self) {
         if self.queue_depth > 0 {
             self.queue_depth -= 1;
+            self.stats.add_queue_depth(-1);
             if let Some(m) = &self.group {
                 m.group.add_queue_depth(-1);
             }
@@ -259,7 +263,7 @@ impl Throttle {
     /// completion, throttle wait included) in this disk's histogram and its
     /// group's.
     pub fn record_latency(&mut self, kind: OpKind, ns: Nanos) {
-        self.stats.op_mut(kind).latency.observe(ns);
+        self.stats.observe_latency(kind, ns);
         if let Some(m) = &self.group {
             m.group.observe_latency(kind, ns);
         }
@@ -267,9 +271,23 @@ impl Throttle {
 
     /// Snapshot of this disk's counters.
     pub fn stats(&self) -> Stats {
-        let mut s = self.stats.clone();
-        s.queue_depth = self.queue_depth;
-        s
+        self.stats.snapshot()
+    }
+
+    /// This disk's counters, shared: readable from any thread without
+    /// locking the throttle (or the device that owns it).
+    pub fn shared_stats(&self) -> Arc<SharedStats> {
+        self.stats.clone()
+    }
+
+    /// Counts into `sink` from now on (e.g. the counters of the device,
+    /// which outlive this throttle). The requests queued here move with
+    /// the queue depth; what was counted before stays in the old sink.
+    pub fn count_into(&mut self, sink: Arc<SharedStats>) {
+        let q = self.queue_depth as i64;
+        self.stats.add_queue_depth(-q);
+        sink.add_queue_depth(q);
+        self.stats = sink;
     }
 }
 

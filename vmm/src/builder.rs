@@ -11,9 +11,8 @@ use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::time::Instant;
 
-use corral_blkthrottle::Throttle;
 use corral_devices::acpi_pm::{self, AcpiPm};
-use corral_devices::virtio::blk::{Block, BlockOptions, DiskFile};
+use corral_devices::virtio::blk::{Block, BlockOptions, DiskFile, SECTOR_SIZE};
 use corral_devices::virtio::mmio::QUEUE_NOTIFY;
 use corral_devices::virtio::{MMIO_WINDOW_SIZE, MmioTransport, VirtioDevice};
 use corral_devices::{Bus, ConsoleLog, GuestLog, I8042, SerialDevice};
@@ -30,7 +29,7 @@ use crate::handle::VmHandle;
 use crate::seccomp::{ThreadKind, VmFaults};
 use crate::shared::VcpuStats;
 use crate::shared::{self, AttachedDisk, Shared};
-use crate::util::{lock, monotonic_ns};
+use crate::util::lock;
 use crate::vcpu;
 use crate::vm::{
     DiskConfig, ExitReason, KernelSource, OpenFiles, VIRTIO_IRQS, VmConfig, VmError, validate,
@@ -90,7 +89,7 @@ pub fn start_with_kvm(cfg: &VmConfig, kvm: &Kvm) -> Result<VmHandle, VmError> {
         wake,
         pause_gate: Arc::new(Gate::new()),
         sched_gate: cfg.sched_gate.clone(),
-        guest_logs: disks.iter().map(|(_, _, b)| lock(b).guest_log()).collect(),
+        guest_logs: disks.iter().map(|d| lock(&d.block).guest_log()).collect(),
         disks,
         control: Mutex::new(control_tx),
         faults: VmFaults::new(wake_fd),
@@ -211,12 +210,9 @@ fn build_disks(cfg: &VmConfig, files: &OpenFiles) -> Result<Vec<BuiltDisk>, VmEr
         let log = Arc::new(GuestLog::new(name.clone()));
         log.set_vm(&cfg.name);
         block.set_guest_log(log);
-        if !d.limits.is_unlimited() || d.group.is_some() {
-            let mut t = Throttle::new(&d.limits, monotonic_ns()).map_err(|e| disk_err(&e))?;
-            if let Some((g, w)) = &d.group {
-                t.join_group(g, *w, None).map_err(|e| disk_err(&e))?;
-            }
-            block.set_throttle(Some(Box::new(t)));
+        block.set_limits(&d.limits).map_err(|e| disk_err(&e))?;
+        if let Some((g, w)) = &d.group {
+            block.set_group(Some((g, *w))).map_err(|e| disk_err(&e))?;
         }
         built.push(BuiltDisk {
             name,
@@ -415,7 +411,17 @@ fn attach_disks(
         }
         mmio.insert(d.base, MMIO_WINDOW_SIZE, Arc::new(Mutex::new(transport)))
             .map_err(|e| dev_err(e.to_string()))?;
-        attached.push((d.name, d.config, d.block));
+        let (capacity_bytes, counters) = {
+            let b = lock(&d.block);
+            (b.capacity_sectors() * SECTOR_SIZE, b.counters())
+        };
+        attached.push(AttachedDisk {
+            name: d.name,
+            config: d.config,
+            capacity_bytes,
+            block: d.block,
+            counters,
+        });
     }
     Ok(attached)
 }

@@ -7,14 +7,14 @@ use std::os::fd::RawFd;
 use std::sync::mpsc::Receiver;
 use std::sync::{Arc, Mutex};
 
-use corral_blkthrottle::{Limits, Throttle, ThrottleGroup};
+use corral_blkthrottle::LimitsError;
 use corral_devices::SerialDevice;
 use corral_devices::virtio::blk::Block;
 use event_manager::{EventManager, EventOps, EventSet, Events, MutEventSubscriber, SubscriberOps};
 
-use crate::control::Control;
+use crate::control::{Control, DiskOp};
 use crate::shared::Shared;
-use crate::util::{lock, monotonic_ns, raise_priority};
+use crate::util::{lock, raise_priority};
 use crate::vm::VmError;
 
 struct Stdin {
@@ -70,70 +70,23 @@ struct Wake {
 }
 
 impl Wake {
-    fn set_limits(&self, disk: usize, limits: Limits) -> Result<(), VmError> {
-        let (name, _, block) = self
+    /// Applies a disk's control message to its device, inside the disk's
+    /// log span.
+    fn with_disk(
+        &self,
+        disk: usize,
+        f: impl FnOnce(&mut Block) -> Result<(), LimitsError>,
+    ) -> Result<(), VmError> {
+        let d = self
             .shared
             .disks
             .get(disk)
             .ok_or_else(|| VmError::NoSuchDisk(disk.to_string()))?;
-        let _span = tracing::error_span!("disk", disk = %name).entered();
-        let mut b = lock(block);
-        let now = monotonic_ns();
-        let err = |msg: String| VmError::Disk {
-            name: name.clone(),
-            msg,
-        };
-        match b
-            .throttle_mut()
-            .and_then(|g| g.as_any_mut().downcast_mut::<Throttle>())
-        {
-            Some(t) => t.set_limits(&limits, now).map_err(|e| err(e.to_string()))?,
-            None => {
-                if limits.is_unlimited() {
-                    return Ok(());
-                }
-                let t = Throttle::new(&limits, now).map_err(|e| err(e.to_string()))?;
-                // set_throttle re-polls a waiting request against the new throttle.
-                b.set_throttle(Some(Box::new(t)));
-                return Ok(());
-            }
-        }
-        b.throttle_changed();
-        Ok(())
-    }
-}
-
-impl Wake {
-    fn set_group(&self, disk: usize, group: Option<(ThrottleGroup, u32)>) -> Result<(), VmError> {
-        let (name, _, block) = self
-            .shared
-            .disks
-            .get(disk)
-            .ok_or_else(|| VmError::NoSuchDisk(disk.to_string()))?;
-        let _span = tracing::error_span!("disk", disk = %name).entered();
-        let err = |msg: String| VmError::Disk {
-            name: name.clone(),
-            msg,
-        };
-        let mut b = lock(block);
-        let now = monotonic_ns();
-        if let Some(t) = b
-            .throttle_mut()
-            .and_then(|g| g.as_any_mut().downcast_mut::<Throttle>())
-        {
-            match &group {
-                Some((g, w)) => t.join_group(g, *w, None).map_err(|e| err(e.to_string()))?,
-                None => t.leave_group(),
-            }
-            b.throttle_changed();
-            return Ok(());
-        }
-        if let Some((g, w)) = group {
-            let mut t = Throttle::new(&Limits::default(), now).map_err(|e| err(e.to_string()))?;
-            t.join_group(&g, w, None).map_err(|e| err(e.to_string()))?;
-            b.set_throttle(Some(Box::new(t)));
-        }
-        Ok(())
+        let _span = tracing::error_span!("disk", disk = %d.name).entered();
+        f(&mut lock(&d.block)).map_err(|e| VmError::Disk {
+            name: d.name.clone(),
+            msg: e.to_string(),
+        })
     }
 }
 
@@ -141,20 +94,15 @@ impl MutEventSubscriber for Wake {
     fn process(&mut self, _events: Events, _ops: &mut EventOps) {
         self.shared.clear_wake();
         while let Ok(msg) = self.control.try_recv() {
-            match msg {
-                Control::SetLimits {
-                    disk,
-                    limits,
-                    reply,
-                } => {
-                    let r = self.set_limits(disk, limits);
-                    let _ = reply.send(r);
-                }
-                Control::SetGroup { disk, group, reply } => {
-                    let r = self.set_group(disk, group);
-                    let _ = reply.send(r);
-                }
+            // A message whose sender gave up waiting is not applied.
+            if !msg.claim.take() {
+                continue;
             }
+            let r = self.with_disk(msg.disk, |b| match &msg.op {
+                DiskOp::SetLimits(limits) => b.set_limits(limits),
+                DiskOp::SetGroup(group) => b.set_group(group.as_ref().map(|(g, w)| (g, *w))),
+            });
+            let _ = msg.reply.send(r);
         }
     }
 
@@ -188,19 +136,20 @@ pub(crate) fn run(
         fd,
         control,
     })));
-    for (name, _, block) in &shared.disks {
+    for d in &shared.disks {
         em.add_subscriber(Arc::new(Mutex::new(DiskEvents {
-            span: tracing::error_span!("disk", disk = %name),
-            block: block.clone(),
+            span: tracing::error_span!("disk", disk = %d.name),
+            block: d.block.clone(),
         })));
     }
     if stdin {
         em.add_subscriber(Arc::new(Mutex::new(Stdin { serial })));
     }
     #[cfg(debug_assertions)]
-    let (mut inject_panic, mut inject_syscall) = (
+    let (mut inject_panic, mut inject_syscall, mut inject_stall) = (
         crate::seccomp::fault::injected("dev-panic", &shared.name),
         crate::seccomp::fault::injected("dev-syscall", &shared.name),
+        crate::seccomp::fault::injected("dev-stall", &shared.name),
     );
     #[cfg(debug_assertions)]
     let inject_at = std::time::Instant::now() + std::time::Duration::from_millis(1000);
@@ -212,17 +161,22 @@ pub(crate) fn run(
             break;
         }
         // Test-only faults (debug builds; see crate::seccomp::fault): a
-        // panic while holding the first disk's lock (which the API takes
-        // for the VM's disk counters: it must recover the poisoned lock),
-        // or a syscall outside the filter.
+        // panic while holding the first disk's lock (a thread that locks it
+        // must recover the poisoned lock), a syscall outside the filter, or
+        // a stall of STALL holding the first disk's lock (as a device stuck
+        // in a slow `preadv` would: the API must still answer, and a
+        // control message times out).
         #[cfg(debug_assertions)]
         if std::time::Instant::now() >= inject_at {
             if std::mem::take(&mut inject_syscall) {
                 let r = crate::seccomp::fault::forbidden_syscall();
                 tracing::warn!("fault injection: forbidden syscall returned {r}");
             }
+            if std::mem::take(&mut inject_stall) {
+                stall(&shared);
+            }
             if std::mem::take(&mut inject_panic) {
-                let _held = shared.disks.first().map(|(_, _, b)| lock(b));
+                let _held = shared.disks.first().map(|d| lock(&d.block));
                 panic!("fault injection: dev-panic");
             }
         }
@@ -230,5 +184,21 @@ pub(crate) fn run(
             tracing::error!("device thread: event loop failed: {e:?}");
             break;
         }
+    }
+}
+
+/// How long the `dev-stall` fault holds the device thread.
+#[cfg(debug_assertions)]
+const STALL: std::time::Duration = std::time::Duration::from_secs(8);
+
+/// The `dev-stall` fault: holds the first disk's lock for [`STALL`] (or
+/// until the VM stops) without serving anything.
+#[cfg(debug_assertions)]
+fn stall(shared: &Shared) {
+    tracing::warn!("fault injection: the device thread stalls for {STALL:?}");
+    let _held = shared.disks.first().map(|d| lock(&d.block));
+    let end = std::time::Instant::now() + STALL;
+    while std::time::Instant::now() < end && !shared.is_stopping() {
+        std::thread::sleep(std::time::Duration::from_millis(20));
     }
 }

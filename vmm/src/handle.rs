@@ -2,21 +2,27 @@
 //! disks and their live limits, console, stop/join/release).
 
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::RecvTimeoutError;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use corral_blkthrottle::{Limits, Throttle, ThrottleGroup};
+use corral_blkthrottle::{Limits, ThrottleGroup};
 use corral_devices::ConsoleLog;
 use kvm_ioctls::VmFd;
 use vm_memory::{GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion};
 
-use crate::control::Control;
+use crate::control::{Claim, Control, DiskOp};
 use crate::hostfile::HostFile;
 use crate::shared::Shared;
 use crate::shared::VcpuStats;
 use crate::util::lock;
 use crate::vm::{DiskStatus, ExitReason, VmError};
+
+/// How long a disk's control message may wait for the device thread (which
+/// applies it between two requests) before the caller gets
+/// [`VmError::DeviceUnresponsive`].
+pub const DEVICE_REPLY_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// A running VM.
 pub struct VmHandle {
@@ -102,63 +108,68 @@ impl VmHandle {
         v
     }
 
-    /// The VM's disks with their limits and counters.
+    /// The VM's disks with their limits and counters. Reads what each
+    /// device publishes ([`corral_devices::virtio::blk::DiskCounters`]):
+    /// never waits for a device, however busy its I/O.
     pub fn disks(&self) -> Vec<DiskStatus> {
         self.shared
             .disks
             .iter()
-            .map(|(name, d, block)| {
-                let mut b = lock(block);
-                let capacity_bytes = b.capacity_sectors() * 512;
-                let (stats, limits, group) = match b
-                    .throttle_mut()
-                    .and_then(|g| g.as_any_mut().downcast_mut::<Throttle>())
-                {
-                    Some(t) => (
-                        t.stats(),
-                        t.limits(),
-                        t.group().map(|g| g.name().to_string()),
-                    ),
-                    None => (
-                        corral_blkthrottle::Stats::default(),
-                        Limits::default(),
-                        None,
-                    ),
-                };
-                DiskStatus {
-                    name: name.clone(),
-                    path: d.path.clone(),
-                    read_only: d.read_only,
-                    direct: d.direct,
-                    capacity_bytes,
-                    limits,
-                    stats,
-                    group,
-                }
+            .map(|d| DiskStatus {
+                name: d.name.clone(),
+                path: d.config.path.clone(),
+                read_only: d.config.read_only,
+                direct: d.config.direct,
+                capacity_bytes: d.capacity_bytes,
+                limits: d.counters.limits(),
+                stats: d.counters.throttle_stats(),
+                device: d.counters.device(),
+                group: d.counters.group(),
             })
             .collect()
     }
 
     /// Sends a disk's control message to the device thread and waits (up to
-    /// 5 s) for its answer.
-    fn disk_control(
-        &self,
-        disk: &str,
-        make: impl FnOnce(usize, std::sync::mpsc::Sender<Result<(), VmError>>) -> Control,
-    ) -> Result<(), VmError> {
+    /// [`DEVICE_REPLY_TIMEOUT`]) for its answer.
+    fn disk_control(&self, disk: &str, op: DiskOp) -> Result<(), VmError> {
         let index = self
             .shared
             .disks
             .iter()
-            .position(|(n, _, _)| n == disk)
+            .position(|d| d.name == disk)
             .ok_or_else(|| VmError::NoSuchDisk(disk.to_string()))?;
-        let (tx, rx) = std::sync::mpsc::channel();
+        let stopped = || VmError::Stopped(self.name.clone());
+        if self.shared.is_stopping() {
+            return Err(stopped());
+        }
+        let (reply, rx) = std::sync::mpsc::channel();
+        let claim = Claim::default();
+        let msg = Control {
+            disk: index,
+            op,
+            reply,
+            claim: claim.clone(),
+        };
         lock(&self.shared.control)
-            .send(make(index, tx))
-            .map_err(|_| VmError::Config("the VM has stopped".into()))?;
+            .send(msg)
+            .map_err(|_| stopped())?;
         self.shared.wake_device_thread();
-        rx.recv_timeout(Duration::from_secs(5))
-            .map_err(|_| VmError::Config("the VM's device thread did not answer".into()))?
+        let mut answer = rx.recv_timeout(DEVICE_REPLY_TIMEOUT);
+        if matches!(answer, Err(RecvTimeoutError::Timeout)) && !claim.withdraw() {
+            // The device thread took it just now: it is being applied.
+            answer = rx.recv_timeout(DEVICE_REPLY_TIMEOUT);
+        }
+        match answer {
+            Ok(r) => r,
+            // The device thread dropped the message: it ended (the VM
+            // stopped) before serving it.
+            Err(RecvTimeoutError::Disconnected) => Err(stopped()),
+            Err(RecvTimeoutError::Timeout) if self.shared.is_stopping() => Err(stopped()),
+            Err(RecvTimeoutError::Timeout) => Err(VmError::DeviceUnresponsive {
+                vm: self.name.clone(),
+                ms: DEVICE_REPLY_TIMEOUT.as_millis() as u64,
+            }),
+        }
     }
 
     /// Moves a disk into a throttle group (with its weight there), or out of
@@ -168,20 +179,16 @@ impl VmHandle {
         disk: &str,
         group: Option<(ThrottleGroup, u32)>,
     ) -> Result<(), VmError> {
-        self.disk_control(disk, |disk, reply| Control::SetGroup { disk, group, reply })
+        self.disk_control(disk, DiskOp::SetGroup(group))
     }
 
     /// Changes a disk's limits live. The device thread swaps them between two
-    /// requests; queued requests and earned tokens are kept. Returns once applied.
+    /// requests; queued requests and earned tokens are kept. Returns once
+    /// applied: [`VmError::Stopped`] if the VM has stopped,
+    /// [`VmError::DeviceUnresponsive`] if its device thread did not answer
+    /// in time, [`VmError::Disk`] for limits the device refuses.
     pub fn set_disk_limits(&self, disk: &str, limits: Limits) -> Result<(), VmError> {
-        limits
-            .validate()
-            .map_err(|e| VmError::Config(e.to_string()))?;
-        self.disk_control(disk, |disk, reply| Control::SetLimits {
-            disk,
-            limits,
-            reply,
-        })
+        self.disk_control(disk, DiskOp::SetLimits(limits))
     }
 
     /// Presses the VM's ACPI power button (the guest decides what to do;

@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 
 use corral_devices::acpi_pm::AcpiPm;
-use corral_devices::virtio::blk::Block;
+use corral_devices::virtio::blk::{Block, DiskCounters};
 use corral_devices::{Bus, GuestLog, SerialDevice};
 use corral_scheduler::gate::Gate;
 use vmm_sys_util::eventfd::EventFd;
@@ -114,8 +114,20 @@ impl VcpuStats {
     }
 }
 
-/// A disk of a running VM: its name, configuration and device.
-pub(crate) type AttachedDisk = (String, DiskConfig, Arc<Mutex<Block>>);
+/// A disk of a running VM.
+pub(crate) struct AttachedDisk {
+    /// Its name (the guest's serial, or `diskN`).
+    pub(crate) name: String,
+    pub(crate) config: DiskConfig,
+    /// Size in bytes.
+    pub(crate) capacity_bytes: u64,
+    /// The device; locked by the device thread (and the vCPU thread of an
+    /// MMIO access) only, while it serves the disk.
+    pub(crate) block: Arc<Mutex<Block>>,
+    /// What the device publishes (counters, limits, group): what the
+    /// API reads, without the device's lock.
+    pub(crate) counters: Arc<DiskCounters>,
+}
 
 /// State shared by a VM's threads.
 pub(crate) struct Shared {
@@ -131,7 +143,7 @@ pub(crate) struct Shared {
     pub(crate) wake: EventFd,
     /// Host pause/resume.
     pub(crate) pause_gate: Arc<Gate>,
-    /// virtio-blk disks: (name, config, device).
+    /// virtio-blk disks.
     pub(crate) disks: Vec<AttachedDisk>,
     /// The disks' guest-error counters (read without the device locks).
     pub(crate) guest_logs: Vec<Arc<GuestLog>>,

@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use corral_blkthrottle::{Limits, ThrottleGroup};
-use corral_devices::virtio::blk::DiskSpec;
+use corral_devices::virtio::blk::{BlockStatsSnapshot, DiskSpec};
 use corral_scheduler::gate::Gate;
 use kvm_ioctls::Kvm;
 
@@ -142,8 +142,12 @@ pub struct DiskStatus {
     pub capacity_bytes: u64,
     /// The disk's own limits.
     pub limits: Limits,
-    /// Throttle counters (ops, bytes, throttled, latency), if a throttle is installed.
+    /// Throttle counters (ops, bytes, throttled, latency); zero while the
+    /// disk never had a throttle.
     pub stats: corral_blkthrottle::Stats,
+    /// The device's counters (completed requests, I/O errors, malformed
+    /// requests, broken rings, ...).
+    pub device: BlockStatsSnapshot,
     /// The throttle group the disk is in now, if any.
     pub group: Option<String>,
 }
@@ -292,6 +296,18 @@ pub enum VmError {
     /// No such disk.
     #[error("no disk {0:?}")]
     NoSuchDisk(String),
+    /// The VM has stopped: its disks cannot change (HTTP 409).
+    #[error("VM {0:?} has stopped; its disks cannot change")]
+    Stopped(String),
+    /// The VM's device thread did not answer a control message in time
+    /// (HTTP 503); the change may still apply later.
+    #[error("VM {vm:?}: its device thread did not answer within {ms} ms")]
+    DeviceUnresponsive {
+        /// The VM.
+        vm: String,
+        /// How long the caller waited.
+        ms: u64,
+    },
     /// Guest memory allocation.
     #[error("cannot allocate guest memory: {0}")]
     Memory(String),

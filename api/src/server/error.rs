@@ -49,6 +49,7 @@ impl From<ManagerError> for ApiError {
             ErrorKind::Refused => (StatusCode::UNPROCESSABLE_ENTITY, "refused"),
             ErrorKind::Internal => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
             ErrorKind::Storage => (StatusCode::INSUFFICIENT_STORAGE, "state_not_saved"),
+            ErrorKind::Unavailable => (StatusCode::SERVICE_UNAVAILABLE, "unavailable"),
         };
         if status == StatusCode::INTERNAL_SERVER_ERROR {
             tracing::error!("{}", clip_words(&e.to_string()));

@@ -19,6 +19,8 @@ pub enum ErrorKind {
     /// The change could not be written to the state directory (507); it
     /// was not made.
     Storage,
+    /// A VM's thread did not answer in time (503); try again.
+    Unavailable,
 }
 
 /// Errors of the manager.
@@ -75,6 +77,8 @@ impl ManagerError {
                 VmError::HostFile(h) => host_file_kind(h),
                 VmError::Config(_) | VmError::Load(_) | VmError::Disk { .. } => ErrorKind::Invalid,
                 VmError::NoSuchDisk(_) => ErrorKind::NotFound,
+                VmError::Stopped(_) => ErrorKind::Conflict,
+                VmError::DeviceUnresponsive { .. } => ErrorKind::Unavailable,
                 VmError::Memory(_) => ErrorKind::Refused,
                 VmError::Acpi(_) => ErrorKind::Invalid,
                 VmError::Kvm { .. }
@@ -88,10 +92,13 @@ impl ManagerError {
 
 impl ManagerError {
     /// A more specific API error code than the kind's, if any:
-    /// `path_policy` (400) and `image_locked` (409).
+    /// `path_policy` (400), `image_locked` (409), `vm_stopped` (409: a
+    /// change to a stopped VM's disks) and `device_unresponsive` (503).
     pub fn code(&self) -> Option<&'static str> {
         let h = match self {
             Self::HostFile(h) | Self::Vm(VmError::HostFile(h)) => h,
+            Self::Vm(VmError::Stopped(_)) => return Some("vm_stopped"),
+            Self::Vm(VmError::DeviceUnresponsive { .. }) => return Some("device_unresponsive"),
             _ => return None,
         };
         match h {

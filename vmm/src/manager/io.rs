@@ -2,6 +2,7 @@
 //! classes' I/O counters.
 
 use super::*;
+use corral_devices::virtio::blk::BlockStatsSnapshot;
 
 /// Creates a class's I/O group or changes its limits live (tokens earned
 /// and waiting requests are kept).
@@ -41,9 +42,7 @@ impl Manager {
             )));
         }
         if e.handle.exit_reason().is_some() {
-            return Err(ManagerError::Conflict(format!(
-                "VM {name:?} has stopped; its disks cannot change"
-            )));
+            return Err(VmError::Stopped(name.to_string()).into());
         }
         // The device thread swaps the limits between two requests and
         // answers once applied.
@@ -59,6 +58,22 @@ impl Manager {
             .into_iter()
             .find(|d| d.config.id == disk)
             .ok_or_else(|| ManagerError::NotFound(format!("VM {name:?} has no disk {disk:?}")))
+    }
+
+    /// Each VM's disks' device counters (completed requests, I/O errors,
+    /// malformed requests, broken rings, ...): (VM, disk, counters), by VM
+    /// name. Read from what the devices publish, without their locks.
+    pub fn disk_device_stats(&self) -> Vec<(String, String, BlockStatsSnapshot)> {
+        let entries: Vec<Arc<Entry>> = lock(&self.state).vms.values().cloned().collect();
+        entries
+            .iter()
+            .flat_map(|e| {
+                e.handle
+                    .disks()
+                    .into_iter()
+                    .map(|d| (e.name.clone(), d.name, d.device))
+            })
+            .collect()
     }
 
     /// Each class's I/O group counters (ops, bytes, throttling, latency).

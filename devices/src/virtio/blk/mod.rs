@@ -17,11 +17,14 @@
 //! device in `DEVICE_NEEDS_RESET`, and it serves nothing more until reset.
 //! Files: `queue.rs` (serving the ring), `request.rs` and `chain.rs`
 //! (parsing), `execute.rs` (doing it), `event.rs` (device thread),
-//! `stats.rs`. Processing yields after [`BUDGET`] requests so
+//! `throttle.rs` (the throttle seam and its timer), `control.rs` (live
+//! limits and groups), `stats.rs` (the counters the device publishes in
+//! [`DiskCounters`], read by the API without the device's lock). Processing yields after [`BUDGET`] requests so
 //! one busy disk cannot starve the VM's other devices on the device thread.
 
 pub mod backend;
 pub mod chain;
+mod control;
 mod event;
 mod execute;
 mod queue;
@@ -40,7 +43,7 @@ pub use backend::{DiskError, DiskFile, SECTOR_SIZE};
 pub use queue::POLL_NS;
 pub use request::{Malformed, ParseError, Request, RequestType, Segment};
 pub use spec::{DiskSpec, DiskSpecError};
-pub use stats::BlockStats;
+pub use stats::{BlockStats, BlockStatsSnapshot, DiskCounters};
 pub use throttle::{RequestThrottle, ThrottleTimer};
 
 use super::{ActivateError, Activation, Interrupt, VirtioDevice, device_type, features};
@@ -128,6 +131,8 @@ pub struct Block {
     queue_evts: [EventFd; 1],
     timer: ThrottleTimer,
     throttle: Option<Box<dyn RequestThrottle>>,
+    /// What the device publishes for other threads.
+    counters: Arc<DiskCounters>,
     active: Option<Active>,
     /// How long to keep polling the available ring after serving it (ns).
     poll_ns: u64,
@@ -199,12 +204,14 @@ impl Block {
         put(52, &MAX_DISCARD_SEG.to_le_bytes());
         put(56, &[1]); // write_zeroes_may_unmap
 
+        let stats = Arc::new(BlockStats::default());
         Ok(Self {
+            counters: Arc::new(DiskCounters::new(stats.clone())),
             engine: Engine {
                 disk,
                 serial,
                 acked: 0,
-                stats: Arc::new(BlockStats::default()),
+                stats,
                 log: Arc::new(GuestLog::new("virtio-blk")),
             },
             avail_features,
@@ -245,37 +252,6 @@ impl Block {
     /// Capacity in 512-byte sectors.
     pub fn capacity_sectors(&self) -> u64 {
         self.engine.disk.capacity() / SECTOR_SIZE
-    }
-
-    /// Installs (or removes) the throttle. A request waiting for the
-    /// old throttle is re-polled against the new one.
-    pub fn set_throttle(&mut self, throttle: Option<Box<dyn RequestThrottle>>) {
-        if let (Some(old), Some(a)) = (self.throttle.as_mut(), self.active.as_ref())
-            && a.waiting.is_some()
-        {
-            old.cancel();
-            old.note_dequeued();
-        }
-        self.throttle = throttle;
-        if let Some(a) = self.active.as_ref()
-            && a.waiting.is_some()
-            && let Some(g) = self.throttle.as_mut()
-        {
-            g.note_enqueued();
-        }
-        self.throttle_changed();
-    }
-
-    /// The throttle, e.g. to change limits (downcast with
-    /// [`RequestThrottle::as_any_mut`]); call [`Block::throttle_changed`] afterwards.
-    pub fn throttle_mut(&mut self) -> Option<&mut (dyn RequestThrottle + 'static)> {
-        self.throttle.as_deref_mut()
-    }
-
-    /// Re-polls a waiting request now (after a live limit change) and
-    /// resumes the queue if it is admitted.
-    pub fn throttle_changed(&mut self) {
-        self.process_queue();
     }
 
     /// The throttle timer (registered by [`Block`]'s subscriber `init`).
@@ -353,5 +329,7 @@ impl VirtioDevice for Block {
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_control;
 #[cfg(test)]
 mod tests_hostile;

@@ -796,8 +796,24 @@ impl RequestThrottle for FakeThrottle {
     fn cancel(&mut self) {
         *self.cancelled.lock().unwrap() += 1;
     }
-    fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
-        self
+    fn set_limits(
+        &mut self,
+        _: &throttle::Limits,
+        _: throttle::Nanos,
+    ) -> Result<(), throttle::LimitsError> {
+        Ok(())
+    }
+    fn set_group(
+        &mut self,
+        _: Option<(&throttle::ThrottleGroup, u32)>,
+    ) -> Result<(), throttle::LimitsError> {
+        Ok(())
+    }
+    fn limits(&self) -> throttle::Limits {
+        throttle::Limits::default()
+    }
+    fn group_name(&self) -> Option<String> {
+        None
     }
 }
 

@@ -13,11 +13,14 @@
 //! change — the head is polled again. A device reset drops the waiting
 //! request and calls [`RequestThrottle::cancel`].
 
-use std::any::Any;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::Arc;
 
-pub use corral_blkthrottle::{Decision, Nanos, OpKind, Request as ThrottleRequest};
+pub use corral_blkthrottle::{
+    Decision, Limits, LimitsError, Nanos, OpKind, Request as ThrottleRequest, SharedStats,
+    ThrottleGroup,
+};
 
 /// Asked before each request is served.
 pub trait RequestThrottle: Send {
@@ -37,8 +40,18 @@ pub trait RequestThrottle: Send {
     }
     /// A request completed `ns` after the device took it from the ring.
     fn record_latency(&mut self, _kind: OpKind, _ns: Nanos) {}
-    /// For downcasting to the concrete throttle (e.g. to change its limits).
-    fn as_any_mut(&mut self) -> &mut dyn Any;
+    /// Replaces the disk's own limits live (earned tokens and the waiting
+    /// request are kept); the device re-polls its head request afterwards.
+    fn set_limits(&mut self, limits: &Limits, now: Nanos) -> Result<(), LimitsError>;
+    /// Moves the disk into `group` with a weight, or out of any group.
+    fn set_group(&mut self, group: Option<(&ThrottleGroup, u32)>) -> Result<(), LimitsError>;
+    /// The disk's own limits.
+    fn limits(&self) -> Limits;
+    /// The name of the group the disk is in, if any.
+    fn group_name(&self) -> Option<String>;
+    /// Counts into `sink` from now on: the device's counters, which outlive
+    /// a throttle. A throttle that keeps no counters ignores it.
+    fn count_into(&mut self, _sink: Arc<SharedStats>) {}
 }
 
 impl RequestThrottle for corral_blkthrottle::Throttle {
@@ -60,8 +73,26 @@ impl RequestThrottle for corral_blkthrottle::Throttle {
     fn wait_slack(&mut self, req: ThrottleRequest, now: Nanos) -> Nanos {
         corral_blkthrottle::Throttle::wait_slack(self, req, now)
     }
-    fn as_any_mut(&mut self) -> &mut dyn Any {
-        self
+    fn set_limits(&mut self, limits: &Limits, now: Nanos) -> Result<(), LimitsError> {
+        corral_blkthrottle::Throttle::set_limits(self, limits, now)
+    }
+    fn set_group(&mut self, group: Option<(&ThrottleGroup, u32)>) -> Result<(), LimitsError> {
+        match group {
+            Some((g, weight)) => self.join_group(g, weight, None),
+            None => {
+                self.leave_group();
+                Ok(())
+            }
+        }
+    }
+    fn limits(&self) -> Limits {
+        corral_blkthrottle::Throttle::limits(self)
+    }
+    fn group_name(&self) -> Option<String> {
+        self.group().map(|g| g.name().to_string())
+    }
+    fn count_into(&mut self, sink: Arc<SharedStats>) {
+        corral_blkthrottle::Throttle::count_into(self, sink)
     }
 }
 
