@@ -151,6 +151,9 @@ fn check_common(text: &str, what: &str) {
         r#"corral_disk_limit_bytes_per_second{vm="io1",disk="data",op="read"} 20000000"#,
         r#"corral_class_io_limit_ops_per_second{class="gold",op="all"} 2000"#,
         r#"corral_class_cpu_cap_ratio{class="gold"} 1.5"#,
+        r#"corral_disk_malformed_requests_total{vm="io1",disk="data"} 0"#,
+        r#"corral_disk_broken_rings_total{vm="io1",disk="data"} 0"#,
+        r#"corral_disk_device_requests_total{vm="io1",disk="data",op="read"} "#,
         r#"corral_api_requests_total{route="/v1/vms/{name}",method="GET",code="404"} "#,
         r#"corral_api_requests_total{route="/v1/vms",method="POST",code="400"} 1"#,
     ] {
@@ -389,6 +392,25 @@ fn a_real_prometheus_scrapes_the_daemon_and_answers_a_query() {
     )
     .expect("bucket query");
     assert!(!r.is_empty(), "no +Inf bucket in Prometheus");
+    // The device's own counters (BlockStats) are there, with their labels:
+    // the reads the guest's job completed, and no I/O error.
+    let q = r#"corral_disk_device_requests_total{job="corral",vm="io1",disk="data",op="read"}"#;
+    let v = wait_until(Duration::from_secs(20), || {
+        let r = query(web_port, q)?;
+        let v: f64 = r.first()?["value"][1].as_str()?.parse().ok()?;
+        (v > 0.0).then_some(v)
+    });
+    assert!(v.is_some(), "no {q}; prometheus log:\n{}", log_tail());
+    let r = query(
+        web_port,
+        r#"corral_disk_io_errors_total{vm="io1",disk="data"}"#,
+    )
+    .expect("io errors query");
+    assert_eq!(
+        r.first().map(|s| s["value"][1].clone()),
+        Some(json!("0")),
+        "{r:?}"
+    );
     drop(prom);
     drop(d);
     let _ = std::fs::remove_dir_all(&dir);
