@@ -422,3 +422,63 @@ fn killing_the_outer_process_kills_the_jailed_vm_process() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn for_vm_jails_a_vm_config_and_the_host_finds_its_threads() {
+    let Some(off) = host() else { return };
+    let pid_ns = !off.contains(&"pid");
+    let dir = images("forvm");
+    let uid = "3221226000";
+    let mut j = Jailed::spawn(
+        &dir,
+        &[
+            "--uid",
+            uid,
+            "--gid",
+            uid,
+            "--for-vm",
+            "--wait",
+            "--boot",
+            "--cmdline",
+            "probe.mode=echo probe.secs=3",
+        ],
+        &off,
+    );
+    j.wait_for("JAIL-IN", Duration::from_secs(20))
+        .unwrap_or_else(|| panic!("not jailed:\n{}", j.output()));
+    let outer = j.child.id();
+    let view = jail::host_view(outer).unwrap();
+    assert_eq!(view.pid, inner_pid(outer, pid_ns));
+    if pid_ns {
+        assert_eq!(view.host_tid(1), Some(view.pid), "{view:?}");
+    }
+    j.child.stdin.as_mut().unwrap().write_all(b"go\n").unwrap();
+    let tids = j
+        .wait_for("VM-TIDS ", Duration::from_secs(30))
+        .unwrap_or_else(|| panic!("no VM:\n{}", j.output()));
+    // The tids the VM process reports are its namespace's; host_view maps
+    // them to the host's, whose /proc names the VM's threads.
+    let view = jail::host_view(outer).unwrap();
+    let names: Vec<String> = tids["VM-TIDS ".len()..]
+        .split(',')
+        .map(|t| {
+            let host = view
+                .host_tid(t.parse().unwrap())
+                .unwrap_or_else(|| panic!("tid {t} not in {view:?}"));
+            std::fs::read_to_string(format!("/proc/{}/task/{host}/comm", view.pid))
+                .unwrap()
+                .trim()
+                .to_string()
+        })
+        .collect();
+    assert_eq!(names, ["vcpu0", "dev-jail-check"]);
+    j.wait_for("BOOT-EXIT", Duration::from_secs(60))
+        .unwrap_or_else(|| panic!("no exit:\n{}", j.output()));
+    assert_eq!(j.finish(Duration::from_secs(10)), Some(0), "{}", j.output());
+    let f = j.facts();
+    assert_eq!(f["root"], "dev,disk-vda,disk-vdb,kernel");
+    assert_eq!(f["ro_write"], ENOENT, "the files are named disk-*, kernel");
+    let out = j.output();
+    assert!(out.contains("GUEST PROBE-UP"), "{out}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -4,8 +4,11 @@
 //! on the jail's KVM fd with seccomp on. For `tests/tests/jail.rs`.
 //!
 //! `jail-check DIR [--uid N] [--gid N] [--kvm PATH] [--no-ns KIND]...
-//! [--staging DIR] [--thread] [--port P] [--wait] [--boot]`: DIR holds `probe.elf`,
-//! `ro.img` and `rw.img` (all three are jailed) and `other.img` (not).
+//! [--staging DIR] [--thread] [--port P] [--wait] [--boot] [--for-vm]
+//! [--cmdline GUEST-CMDLINE]`:
+//! DIR holds `probe.elf`, `ro.img` and `rw.img` (all three are jailed,
+//! under those names, or with `--for-vm` as `JailSpec::for_vm` names them)
+//! and `other.img` (not).
 //! Exit 3 with `JAIL-ERROR <message>` when the jail cannot be set up.
 
 use std::io::BufRead;
@@ -13,7 +16,7 @@ use std::os::fd::AsFd;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use corral_vmm::hostfile::{HostFile, HostPolicy, Role};
+use corral_vmm::hostfile::{HostPolicy, Role};
 use corral_vmm::jail::{self, JailFile, JailLimits, JailSpec, JailStatus};
 use corral_vmm::vm::DiskConfig;
 use corral_vmm::{KernelSource, VmConfig};
@@ -43,6 +46,8 @@ fn main() {
     let (mut uid, mut gid, mut kvm) = (3_221_225_600u32, 3_221_225_600u32, "/dev/kvm".to_string());
     let (mut thread, mut wait, mut boot, mut port) = (false, false, false, None::<u16>);
     let mut staging = None::<PathBuf>;
+    let mut for_vm = false;
+    let mut cmdline = None::<String>;
     let mut ns = jail::Namespaces::default();
     while let Some(a) = args.next() {
         let mut val = || args.next().expect("option value");
@@ -62,6 +67,8 @@ fn main() {
             "--thread" => thread = true,
             "--wait" => wait = true,
             "--boot" => boot = true,
+            "--for-vm" => for_vm = true,
+            "--cmdline" => cmdline = Some(val()),
             a => panic!("unknown option {a}"),
         }
     }
@@ -92,30 +99,51 @@ fn main() {
 
     let _parked =
         thread.then(|| std::thread::spawn(|| std::thread::sleep(Duration::from_secs(30))));
-    let mut spec = JailSpec::new("jail-check", uid, gid);
+    let mut cfg = VmConfig::new("jail-check", KernelSource::File(kernel.clone()));
+    cfg.memory_mib = 64;
+    cfg.cmdline = cmdline.unwrap_or_else(|| {
+        "probe.mode=blk probe.op=verify probe.disk=1 probe.size=1M probe.bs=64K".into()
+    });
+    for (f, read_only) in [(ro.clone(), true), (rw.clone(), false)] {
+        cfg.disks.push(DiskConfig {
+            id: None,
+            path: f.path().to_path_buf(),
+            read_only,
+            direct: false,
+            limits: Default::default(),
+            group: None,
+            file: Some(f),
+        });
+    }
+    let mut spec = if for_vm {
+        JailSpec::for_vm(&cfg, uid, gid).expect("JailSpec::for_vm")
+    } else {
+        let mut spec = JailSpec::new("jail-check", uid, gid);
+        spec.limits = JailLimits::for_vm(64, 1, 2, rw.len());
+        spec.files = vec![
+            JailFile {
+                name: "probe.elf".into(),
+                fd: kernel.file().as_fd(),
+                read_only: true,
+            },
+            JailFile {
+                name: "ro.img".into(),
+                fd: ro.file().as_fd(),
+                read_only: true,
+            },
+            JailFile {
+                name: "rw.img".into(),
+                fd: rw.file().as_fd(),
+                read_only: false,
+            },
+        ];
+        spec
+    };
     spec.kvm_path = PathBuf::from(&kvm);
     spec.namespaces = ns;
     if let Some(s) = staging {
         spec.staging = s;
     }
-    spec.limits = JailLimits::for_vm(64, 1, 2, rw.len());
-    spec.files = vec![
-        JailFile {
-            name: "probe.elf",
-            fd: kernel.file().as_fd(),
-            read_only: true,
-        },
-        JailFile {
-            name: "ro.img",
-            fd: ro.file().as_fd(),
-            read_only: true,
-        },
-        JailFile {
-            name: "rw.img",
-            fd: rw.file().as_fd(),
-            read_only: false,
-        },
-    ];
     let jailed = match jail::enter(&spec) {
         Ok(j) => j,
         Err(e) => {
@@ -181,11 +209,11 @@ fn main() {
     );
 
     if boot {
-        boot_probe(jailed, kernel, ro, rw);
+        boot_probe(jailed, &cfg);
     }
 }
 
-fn boot_probe(jailed: jail::Jailed, kernel: HostFile, ro: HostFile, rw: HostFile) {
+fn boot_probe(jailed: jail::Jailed, cfg: &VmConfig) {
     use corral_vmm::seccomp;
     if let Err(e) = seccomp::enable()
         .and_then(|()| seccomp::check_all())
@@ -195,27 +223,21 @@ fn boot_probe(jailed: jail::Jailed, kernel: HostFile, ro: HostFile, rw: HostFile
         std::process::exit(4);
     }
     let kvm = jailed.kvm();
-    let mut cfg = VmConfig::new("jailed", KernelSource::File(kernel));
-    cfg.memory_mib = 64;
-    cfg.cmdline = "probe.mode=blk probe.op=verify probe.disk=1 probe.size=1M probe.bs=64K".into();
-    for (f, read_only) in [(ro, true), (rw, false)] {
-        cfg.disks.push(DiskConfig {
-            id: None,
-            path: f.path().to_path_buf(),
-            read_only,
-            direct: false,
-            limits: Default::default(),
-            group: None,
-            file: Some(f),
-        });
-    }
-    let vm = match corral_vmm::start_with_kvm(&cfg, &kvm) {
+    let vm = match corral_vmm::start_with_kvm(cfg, &kvm) {
         Ok(vm) => vm,
         Err(e) => {
             println!("BOOT-ERROR {e}");
             std::process::exit(4);
         }
     };
+    // Thread ids as this process's (pid) namespace numbers them.
+    let tids: Vec<String> = vm
+        .vcpu_tids()
+        .iter()
+        .chain(vm.device_tid().iter())
+        .map(|t| t.to_string())
+        .collect();
+    println!("VM-TIDS {}", tids.join(","));
     let console = vm.console();
     let deadline = Instant::now() + Duration::from_secs(30);
     let mut out = Vec::new();

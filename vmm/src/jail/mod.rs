@@ -51,6 +51,7 @@
 
 mod creds;
 mod error;
+mod forvm;
 mod mounts;
 mod pidns;
 mod probe;
@@ -63,6 +64,7 @@ use rustix::fs::{FileType, Mode, OFlags};
 use rustix::thread::UnshareFlags;
 
 pub use error::{JailError, Step};
+pub use forvm::{HostView, host_view};
 pub use probe::{NsKind, probe, probe_all};
 pub use spec::{
     AS_MARGIN, AS_PER_VCPU, DEFAULT_UID_BASE, DEFAULT_UID_COUNT, JailFile, JailLimits, JailSpec,

@@ -43,7 +43,7 @@ fn clone_tree(fd: BorrowedFd<'_>, name: &str) -> Result<OwnedFd, JailError> {
 pub(super) fn clone_trees(files: &[JailFile<'_>], kvm: BorrowedFd<'_>) -> Result<Trees, JailError> {
     let mut out = Vec::with_capacity(files.len());
     for f in files {
-        out.push((f.name.to_string(), clone_tree(f.fd, f.name)?, f.read_only));
+        out.push((f.name.clone(), clone_tree(f.fd, &f.name)?, f.read_only));
     }
     Ok(Trees {
         files: out,

@@ -80,10 +80,10 @@ impl UidRange {
 
 /// One file of the VM (kernel, initrd, disk image), already open: it is
 /// bind-mounted from its fd to `/NAME` in the private root.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct JailFile<'a> {
     /// Its name in the private root (one path component).
-    pub name: &'a str,
+    pub name: String,
     /// The open file (the VM keeps using this fd; the mount is what the
     /// jailed process can reach by path).
     pub fd: BorrowedFd<'a>,
@@ -220,7 +220,7 @@ impl<'a> JailSpec<'a> {
         }
         let mut seen = std::collections::HashSet::new();
         for f in &self.files {
-            let n = f.name;
+            let n = f.name.as_str();
             if n.is_empty()
                 || n == "."
                 || n == ".."
@@ -280,7 +280,7 @@ mod tests {
         for name in ["", ".", "..", "dev", "a/b"] {
             let mut s = JailSpec::new("vm", 1000, 1000);
             s.files.push(JailFile {
-                name,
+                name: name.into(),
                 fd: std::os::fd::AsFd::as_fd(&f),
                 read_only: true,
             });
@@ -289,7 +289,7 @@ mod tests {
         let mut s = JailSpec::new("vm", 1000, 1000);
         for _ in 0..2 {
             s.files.push(JailFile {
-                name: "disk",
+                name: "disk".into(),
                 fd: std::os::fd::AsFd::as_fd(&f),
                 read_only: true,
             });
