@@ -73,6 +73,21 @@ impl<'a> JailSpec<'a> {
     }
 }
 
+/// What a VM process does before it starts its VM: jails itself for `cfg`
+/// ([`JailSpec::for_vm`], uid = gid = `uid`, these namespaces) and returns
+/// the KVM device to start it on ([`crate::builder::start_with_kvm`]).
+/// With a pid namespace this forks, and returns in the child only (see
+/// [`super::enter`]).
+pub fn enter_vm(
+    cfg: &VmConfig,
+    uid: u32,
+    namespaces: super::spec::Namespaces,
+) -> Result<kvm_ioctls::Kvm, JailError> {
+    let mut spec = JailSpec::for_vm(cfg, uid, uid)?;
+    spec.namespaces = namespaces;
+    Ok(super::enter(&spec)?.kvm())
+}
+
 /// A jailed VM process seen from the host.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HostView {

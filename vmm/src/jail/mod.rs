@@ -57,6 +57,7 @@ mod pidns;
 mod probe;
 mod spec;
 mod status;
+mod uids;
 
 use std::os::fd::{AsFd, OwnedFd};
 
@@ -64,13 +65,14 @@ use rustix::fs::{FileType, Mode, OFlags};
 use rustix::thread::UnshareFlags;
 
 pub use error::{JailError, Step};
-pub use forvm::{HostView, host_view};
+pub use forvm::{HostView, enter_vm, host_view};
 pub use probe::{NsKind, probe, probe_all};
 pub use spec::{
     AS_MARGIN, AS_PER_VCPU, DEFAULT_UID_BASE, DEFAULT_UID_COUNT, JailFile, JailLimits, JailSpec,
     Namespaces, UidRange,
 };
 pub use status::JailStatus;
+pub use uids::{UidLease, UidPool, uids_running};
 
 use error::at;
 
