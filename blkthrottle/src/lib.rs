@@ -122,7 +122,6 @@
 //! and the meaning of zero (unlimited).
 
 #![forbid(unsafe_code)]
-#![warn(missing_docs)]
 
 mod bucket;
 mod group;

@@ -1,3 +1,6 @@
+//! The simulator with an outside busy loop: two classes at shares 3:1, hog
+//! VMs of 1, 2 or 4 vCPUs, with and without measuring the outside load.
+
 use corral_scheduler::model::{Capacity, ClassSpec};
 use corral_scheduler::sim::{Pattern, SimConfig, Simulator};
 fn main() {

@@ -110,7 +110,6 @@
 //! }
 //! ```
 #![forbid(unsafe_op_in_unsafe_fn)]
-#![warn(missing_docs)]
 
 pub mod capacity;
 pub mod gate;

@@ -31,13 +31,18 @@ pub struct StateFile {
 /// A class.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
-#[allow(missing_docs)]
 pub struct SavedClass {
+    /// Name.
     pub name: String,
+    /// Parent class; `None` for a root class.
     pub parent: Option<String>,
+    /// CPU shares.
     pub shares: u32,
+    /// CPU cap, percent of one CPU.
     pub cap: Option<u32>,
+    /// CPU reservation, percent of one CPU.
     pub reservation: Option<u32>,
+    /// Limits of the class's I/O group (absent = none).
     #[serde(default)]
     pub io: Limits,
 }
@@ -45,14 +50,17 @@ pub struct SavedClass {
 /// A disk of a VM.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
-#[allow(missing_docs)]
 pub struct SavedDisk {
+    /// Name within the VM.
     pub id: String,
+    /// Backing file or block device.
     pub path: PathBuf,
     /// `readonly` in the file (version 1).
     #[serde(rename = "readonly")]
     pub read_only: bool,
+    /// Opened with `O_DIRECT`.
     pub direct: bool,
+    /// The disk's own limits, as changed live (absent = none).
     #[serde(default)]
     pub limits: Limits,
 }
@@ -60,17 +68,26 @@ pub struct SavedDisk {
 /// A VM definition, with its current class, weight, cap and disk limits.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
-#[allow(missing_docs)]
 pub struct SavedVm {
+    /// Name.
     pub name: String,
+    /// Its current class.
     pub class: String,
+    /// Its current weight in the class.
     pub weight: u32,
+    /// Its own CPU cap, percent of one CPU.
     pub cap: Option<u32>,
+    /// vCPUs.
     pub vcpus: u32,
+    /// Guest RAM, MiB.
     pub memory_mib: u64,
+    /// Kernel file; `None` = the built-in probe guest.
     pub kernel: Option<PathBuf>,
+    /// Initial ramdisk.
     pub initrd: Option<PathBuf>,
+    /// Kernel command line as requested.
     pub cmdline: Option<String>,
+    /// Disks.
     pub disks: Vec<SavedDisk>,
     /// Meant to run: created or started, and not stopped, by the API.
     pub running: bool,
