@@ -50,7 +50,7 @@ pub struct VmConfig {
     pub console_log_bytes: usize,
     /// The scheduler's gate for this VM (the `gate` CPU backend), if any.
     pub sched_gate: Option<Arc<Gate>>,
-    /// virtio-blk disks, in order (vda, vdb, ...).
+    /// virtio-blk disks, in order (the guest's vda, vdb, ...).
     pub disks: Vec<DiskConfig>,
     /// Give the guest ACPI tables (MADT, DSDT with the virtio-mmio devices,
     /// S5 power-off). Off: MP table and command-line announcement only.
@@ -64,8 +64,8 @@ pub struct VmConfig {
 /// API's limits.
 #[derive(Debug, Clone)]
 pub struct DiskConfig {
-    /// Name within the VM, also its serial number; `None`: `vda`, `vdb`,
-    /// ... by position.
+    /// Name within the VM, also its serial number; `None`: `disk0`,
+    /// `disk1`, ... by position ([`disk_name`]), and no serial.
     pub id: Option<String>,
     /// Backing file or block device.
     pub path: PathBuf,
@@ -97,25 +97,17 @@ impl DiskConfig {
         })
     }
 
-    /// The disk's name: its `id`, else `vda`, `vdb`, ... by position.
+    /// The disk's name: its `id`, else [`disk_name`] of its position.
     pub fn name(&self, index: usize) -> String {
         self.id.clone().unwrap_or_else(|| disk_name(index))
     }
 }
 
-/// `vda`, `vdb`, ..., `vdz`, `vdaa`, ...
+/// The default name of the disk at `index` (0-based) when it is given no
+/// id: `disk0`, `disk1`, ..., in `corral run` and in the manager alike (the
+/// manager stores it as the disk's id, so state files name every disk).
 pub fn disk_name(index: usize) -> String {
-    let mut n = index;
-    let mut s = Vec::new();
-    loop {
-        s.push(b'a' + (n % 26) as u8);
-        if n < 26 {
-            break;
-        }
-        n = n / 26 - 1;
-    }
-    s.reverse();
-    format!("vd{}", String::from_utf8_lossy(&s))
+    format!("disk{index}")
 }
 
 /// IRQs (ISA pins, routed by the MP table and the ACPI DSDT alike) for

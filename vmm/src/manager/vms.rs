@@ -162,7 +162,7 @@ impl Manager {
         let mut ids = BTreeSet::new();
         for (i, d) in req.disks.iter_mut().enumerate() {
             if d.id.is_empty() {
-                d.id = format!("disk{i}");
+                d.id = crate::vm::disk_name(i);
             }
             validate_name("disk id", &d.id)?;
             if !ids.insert(d.id.clone()) {
@@ -491,6 +491,12 @@ mod tests {
         m.validate_request(&mut r).unwrap();
         let ids: Vec<_> = r.disks.iter().map(|d| d.id.as_str()).collect();
         assert_eq!(ids, ["disk0", "data", "disk2"]);
+        // One naming scheme: `corral run --disk` names unnamed disks alike.
+        for (i, d) in r.disks.iter().enumerate() {
+            let spec = if d.id == "data" { "/x,id=data" } else { "/x" };
+            let run = crate::vm::DiskConfig::parse(spec).unwrap();
+            assert_eq!(run.name(i), d.id);
+        }
         let mut r = VmRequest {
             disks: vec![disk("x"), disk("x")],
             ..req("d")
