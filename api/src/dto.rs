@@ -7,9 +7,7 @@ use std::time::UNIX_EPOCH;
 
 use corral_scheduler::ClassSpec;
 use corral_vmm::ExitReason;
-use corral_vmm::manager::{
-    ClassConfig, ClassInfo, DiskInfo, DiskRequest, HostInfo, VmInfo, VmRequest,
-};
+use corral_vmm::manager::{ClassConfig, ClassInfo, DiskInfo, HostInfo, VmInfo, VmRequest};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Deserializer, Serialize};
 
@@ -195,21 +193,9 @@ impl From<ClassInfo> for Class {
     }
 }
 
-/// A disk in `POST /v1/vms`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct DiskCreate {
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub id: Option<String>,
-    pub path: String,
-    /// Refuse writes; `readonly` on the wire, as in the spec.
-    #[serde(default, rename = "readonly")]
-    pub read_only: bool,
-    #[serde(default)]
-    pub direct: bool,
-    #[serde(default, deserialize_with = "object")]
-    pub limits: Limits,
-}
+/// A disk in `POST /v1/vms` (the spec's `DiskCreate`): the manager's request
+/// type, which is also its JSON form.
+pub use corral_vmm::manager::DiskRequest;
 
 /// `POST /v1/vms`.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -239,7 +225,7 @@ pub struct VmCreate {
         deserialize_with = "objects",
         skip_serializing_if = "Vec::is_empty"
     )]
-    pub disks: Vec<DiskCreate>,
+    pub disks: Vec<DiskRequest>,
 }
 
 impl VmCreate {
@@ -256,17 +242,7 @@ impl VmCreate {
             kernel: self.kernel.map(PathBuf::from),
             initrd: self.initrd.map(PathBuf::from),
             cmdline: self.cmdline,
-            disks: self
-                .disks
-                .into_iter()
-                .map(|d| DiskRequest {
-                    id: d.id.unwrap_or_default(),
-                    path: PathBuf::from(d.path),
-                    read_only: d.read_only,
-                    direct: d.direct,
-                    limits: d.limits,
-                })
-                .collect(),
+            disks: self.disks,
         }
     }
 }

@@ -35,11 +35,11 @@ pub fn apply_limits<'a>(
 /// Parses `--disk PATH[,readonly][,direct][,id=NAME][,key=value...]` with
 /// the grammar `corral run --disk` uses ([`DiskSpec::parse`]), with the same
 /// errors.
-pub fn parse_disk(spec: &str) -> Result<dto::DiskCreate, CliError> {
+pub fn parse_disk(spec: &str) -> Result<dto::DiskRequest, CliError> {
     let d = DiskSpec::parse(spec).map_err(|e| CliError(format!("--disk {spec}: {e}")))?;
-    Ok(dto::DiskCreate {
-        id: d.id,
-        path: d.path.display().to_string(),
+    Ok(dto::DiskRequest {
+        id: d.id.unwrap_or_default(),
+        path: d.path,
         read_only: d.read_only,
         direct: d.direct,
         limits: d.limits,
@@ -103,11 +103,11 @@ mod tests {
             ),
         ] {
             let from_cli = parse_disk(cli).unwrap();
-            let from_json: dto::DiskCreate = serde_json::from_value(body.clone()).unwrap();
+            let from_json: dto::DiskRequest = serde_json::from_value(body.clone()).unwrap();
             assert_eq!(from_cli, from_json, "{cli} vs {body}");
             // What the client sends is what the daemon reads.
             let sent = serde_json::to_string(&from_cli).unwrap();
-            let read: dto::DiskCreate = serde_json::from_str(&sent).unwrap();
+            let read: dto::DiskRequest = serde_json::from_str(&sent).unwrap();
             assert_eq!(read, from_cli, "{sent}");
             // The daemon's request, and `corral run`'s disk.
             let req = dto::VmCreate {
@@ -156,6 +156,31 @@ mod tests {
             let run = DiskConfig::parse(bad).unwrap_err().to_string();
             assert_eq!(cli, run, "{bad:?}");
             assert!(cli.starts_with(&format!("--disk {bad}: ")), "{cli}");
+        }
+    }
+
+    /// The one disk request type keeps the JSON form of the old DTO: the
+    /// wire name `readonly`, `limits` only as an object, no unknown keys.
+    #[test]
+    fn a_disk_request_keeps_its_json_form() {
+        let d: dto::DiskRequest =
+            serde_json::from_value(json!({ "path": "a", "readonly": true })).unwrap();
+        assert!(d.read_only && d.id.is_empty() && d.limits.is_unlimited());
+        assert_eq!(
+            serde_json::to_value(&d).unwrap(),
+            json!({ "path": "a", "readonly": true, "direct": false, "limits": {} })
+        );
+        for bad in [
+            json!({ "path": "a", "read_only": true }),
+            json!({ "path": "a", "limits": [1, 2] }),
+            json!({ "path": "a", "limits": null }),
+            json!({ "path": "a", "limits": { "bps": "1M" } }),
+            json!({ "readonly": true }),
+        ] {
+            assert!(
+                serde_json::from_value::<dto::DiskRequest>(bad.clone()).is_err(),
+                "{bad}"
+            );
         }
     }
 

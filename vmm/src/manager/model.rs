@@ -32,20 +32,38 @@ pub struct ClassConfig {
     pub io: Limits,
 }
 
-/// One disk of a VM, as a client requests it (the VMM's own form, with
-/// the opened file and the throttle group, is [`crate::vm::DiskConfig`]).
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// One disk of a VM, as a client requests it: also the JSON form of a disk
+/// in `POST /v1/vms` (the spec's `DiskCreate`) and in the state file (the
+/// VMM's own form, with the opened file and the throttle group, is
+/// [`crate::vm::DiskConfig`]). Unknown keys are refused; `limits` must be an
+/// object.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct DiskRequest {
-    /// Name within the VM (`disk0`, `disk1`, ... when not given).
+    /// Name within the VM ([`crate::vm::disk_name`], `disk0`, `disk1`, ...
+    /// when empty or absent).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
     pub id: String,
     /// Backing file or block device.
     pub path: PathBuf,
-    /// Read-only.
+    /// Read-only; `readonly` on the wire and in the state file.
+    #[serde(default, rename = "readonly")]
     pub read_only: bool,
     /// O_DIRECT.
+    #[serde(default)]
     pub direct: bool,
     /// The disk's own limits.
+    #[serde(default, deserialize_with = "limits_object")]
     pub limits: Limits,
+}
+
+/// Limits only from a JSON object (serde's derived deserializers also take
+/// an array of the fields in order, which neither the API nor the state file
+/// means).
+fn limits_object<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Limits, D::Error> {
+    use serde::Deserialize;
+    let m = serde_json::Map::deserialize(d)?;
+    serde_json::from_value(serde_json::Value::Object(m)).map_err(serde::de::Error::custom)
 }
 
 /// A VM as requested.

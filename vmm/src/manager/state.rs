@@ -30,8 +30,7 @@ mod compat_tests;
 mod format;
 use format::write_atomic;
 pub use format::{
-    BACKUP_FILE, STATE_FILE, STATE_VERSION, SavedClass, SavedDisk, SavedVm, StateFile, parse_state,
-    read_state,
+    BACKUP_FILE, STATE_FILE, STATE_VERSION, SavedClass, SavedVm, StateFile, parse_state, read_state,
 };
 
 /// Where the state goes and which VMs are meant to run. Its lock is held
@@ -110,16 +109,7 @@ impl Manager {
                     kernel: r.kernel.clone(),
                     initrd: r.initrd.clone(),
                     cmdline: r.cmdline.clone(),
-                    disks: lock(&e.disks)
-                        .iter()
-                        .map(|d| SavedDisk {
-                            id: d.config.id.clone(),
-                            path: d.config.path.clone(),
-                            read_only: d.config.read_only,
-                            direct: d.config.direct,
-                            limits: d.config.limits,
-                        })
-                        .collect(),
+                    disks: lock(&e.disks).iter().map(|d| d.config.clone()).collect(),
                     running: p.wanted.contains(&e.name),
                 }
             })

@@ -47,24 +47,6 @@ pub struct SavedClass {
     pub io: Limits,
 }
 
-/// A disk of a VM.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct SavedDisk {
-    /// Name within the VM.
-    pub id: String,
-    /// Backing file or block device.
-    pub path: PathBuf,
-    /// `readonly` in the file (version 1).
-    #[serde(rename = "readonly")]
-    pub read_only: bool,
-    /// Opened with `O_DIRECT`.
-    pub direct: bool,
-    /// The disk's own limits, as changed live (absent = none).
-    #[serde(default)]
-    pub limits: Limits,
-}
-
 /// A VM definition, with its current class, weight, cap and disk limits.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -88,7 +70,8 @@ pub struct SavedVm {
     /// Kernel command line as requested.
     pub cmdline: Option<String>,
     /// Disks.
-    pub disks: Vec<SavedDisk>,
+    /// Disks (ids always set).
+    pub disks: Vec<DiskRequest>,
     /// Meant to run: created or started, and not stopped, by the API.
     pub running: bool,
 }
@@ -105,17 +88,7 @@ impl SavedVm {
             kernel: self.kernel.clone(),
             initrd: self.initrd.clone(),
             cmdline: self.cmdline.clone(),
-            disks: self
-                .disks
-                .iter()
-                .map(|d| DiskRequest {
-                    id: d.id.clone(),
-                    path: d.path.clone(),
-                    read_only: d.read_only,
-                    direct: d.direct,
-                    limits: d.limits,
-                })
-                .collect(),
+            disks: self.disks.clone(),
         }
     }
 }
