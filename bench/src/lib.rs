@@ -82,6 +82,27 @@ pub struct CommonArgs {
     pub quick: bool,
 }
 
+/// How the probe's virtio-blk driver waits for completions
+/// (`probe.wait=`).
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ProbeWait {
+    /// Sleep in `hlt` until the used-ring interrupt (the probe's default).
+    Irq,
+    /// Spin on the used ring for the whole wait (the driver before
+    /// session 4: a throttled job burns its vCPU).
+    Poll,
+}
+
+impl ProbeWait {
+    /// The probe's parameter value.
+    pub fn param(self) -> &'static str {
+        match self {
+            Self::Irq => "irq",
+            Self::Poll => "poll",
+        }
+    }
+}
+
 /// Which jobs `overhead` runs.
 #[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
 pub enum JobKind {
@@ -132,6 +153,9 @@ pub struct OverheadArgs {
     /// Guest jobs.
     #[arg(long, value_enum, default_value_t = JobKind::All)]
     job: JobKind,
+    /// How the probe's io job waits for completions (`probe.wait=`).
+    #[arg(long, value_enum, default_value_t = ProbeWait::Irq)]
+    probe_wait: ProbeWait,
     #[command(flatten)]
     linux: linux::LinuxArgs,
 }
@@ -155,6 +179,10 @@ pub struct InterferenceArgs {
     /// Seconds the victim's job takes alone (sized from a calibration run).
     #[arg(long, default_value_t = 10.0)]
     victim_secs: f64,
+    /// How the probe's disk jobs (the io victim, the I/O hog) wait for
+    /// completions; `poll` reproduces the figures before session 4.
+    #[arg(long, value_enum, default_value_t = ProbeWait::Irq)]
+    probe_wait: ProbeWait,
 }
 
 /// `corral bench throttle`.

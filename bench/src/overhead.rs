@@ -78,7 +78,8 @@ pub fn run(a: OverheadArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String), Be
     let timeout = Duration::from_secs(if quick { 60 } else { 600 });
 
     let mut cpu_job = Job::work(sz.cpu_units, sz.unit_iters, 1).with_disk(&disk, Limits::default());
-    let mut io_job = Job::blk_read(&disk, Limits::default(), sz.io_bytes, sz.io_bs, 4);
+    let mut io_job =
+        Job::blk_read(&disk, Limits::default(), sz.io_bytes, sz.io_bs, 4).with_wait(a.probe_wait);
     // Size the probe jobs to --job-secs of guest time from one run each.
     let mut sizing = Vec::new();
     if !quick {
@@ -92,7 +93,8 @@ pub fn run(a: OverheadArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String), Be
         let per_byte = cal.guest_s.unwrap_or(cal.wall_s) / sz.io_bytes as f64;
         let bytes = ((a.job_secs / per_byte.max(1e-15)) as u64 / sz.io_bs * sz.io_bs)
             .clamp(sz.io_bs, disk_bytes / sz.io_bs * sz.io_bs);
-        io_job = Job::blk_read(&disk, Limits::default(), bytes, sz.io_bs, 4);
+        io_job =
+            Job::blk_read(&disk, Limits::default(), bytes, sz.io_bs, 4).with_wait(a.probe_wait);
         sizing.push(format!(
             "io: {} MiB in {} KiB reads",
             bytes >> 20,

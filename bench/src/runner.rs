@@ -150,6 +150,13 @@ impl Job {
         self
     }
 
+    /// The same probe job with `probe.wait=` set (how the disk driver
+    /// waits for completions).
+    pub fn with_wait(mut self, wait: super::ProbeWait) -> Self {
+        self.cmdline = format!("{} probe.wait={}", self.cmdline, wait.param());
+        self
+    }
+
     /// The same job with other disk limits.
     pub fn with_limits(mut self, limits: Limits) -> Self {
         if let Some((_, l)) = &mut self.disk {

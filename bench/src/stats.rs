@@ -149,6 +149,31 @@ impl RatioCi {
     }
 }
 
+impl RatioCi {
+    /// The verdict on a slowdown goal, "at most `limit` times the time
+    /// alone", with the interval half-width wanted (`target_pct`): met when
+    /// the whole interval is at or under the limit, missed when all of it is
+    /// over, undecided when it straddles.
+    pub fn goal_verdict(&self, limit: f64, target_pct: f64) -> String {
+        let x = |p: f64| 1.0 + p / 100.0;
+        let (m, lo, hi) = (x(self.mean_pct), x(self.lo_pct), x(self.hi_pct));
+        let half = self.half_width_pct();
+        let what = if hi <= limit {
+            "meets"
+        } else if lo > limit {
+            "misses"
+        } else {
+            "undecided at"
+        };
+        let width = if half <= target_pct {
+            String::new()
+        } else {
+            format!("; interval ±{half:.1} %, wider than the ±{target_pct} % wanted")
+        };
+        format!("{what} ≤{limit:.2}×: {m:.3}× (95 % {lo:.3}× … {hi:.3}×{width})")
+    }
+}
+
 /// Parses a duration: `90`, `90s`, `15m`, `1h`, `1h30m`.
 pub fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
     let bad = || format!("bad duration {s:?}: use e.g. 90s, 15m, 1h30m");
@@ -248,6 +273,59 @@ mod tests {
         // Too few or unusable pairs.
         assert!(RatioCi::of(&[(1.0, 1.0)]).is_none());
         assert!(RatioCi::of(&[(0.0, 1.0), (1.0, f64::NAN), (1.0, 1.0)]).is_none());
+    }
+
+    /// Known samples, known interval: log ratios 0.01, 0.02, 0.03 have
+    /// mean 0.02, sd 0.01, standard error 0.01/sqrt(3) = 0.0057735; with
+    /// t(2) = 4.303 the half-width is 0.0248434, so the interval is
+    /// exp(0.02 ± 0.0248434) - 1 = -0.4832 % … +4.5862 %, mean +2.0201 %.
+    #[test]
+    fn ratio_interval_known_values() {
+        let pairs: Vec<(f64, f64)> = [0.01f64, 0.02, 0.03]
+            .iter()
+            .zip([1.0, 5.0, 0.2])
+            .map(|(l, base)| (base, base * l.exp()))
+            .collect();
+        let r = RatioCi::of(&pairs).unwrap();
+        assert_eq!(r.n, 3);
+        assert!((r.mean_pct - 2.0201).abs() < 1e-3, "{r:?}");
+        assert!((r.lo_pct - -0.4832).abs() < 1e-3, "{r:?}");
+        assert!((r.hi_pct - 4.5862).abs() < 1e-3, "{r:?}");
+        // Ten pairs, ratios 1.003 and 1.001 alternating: log mean
+        // 0.0019985, sd 0.0010536 (n - 1), se 0.00033317, t(9) = 2.262:
+        // half 0.00075364 -> +0.1246 % … +0.2754 %: a cost, resolved at
+        // ±0.3 %.
+        let pairs: Vec<(f64, f64)> = (0..10)
+            .map(|i| (2.0, 2.0 * if i % 2 == 0 { 1.003 } else { 1.001 }))
+            .collect();
+        let r = RatioCi::of(&pairs).unwrap();
+        assert!((r.lo_pct - 0.1246).abs() < 1e-3, "{r:?}");
+        assert!((r.hi_pct - 0.2754).abs() < 1e-3, "{r:?}");
+        assert!(r.half_width_pct() < 0.3);
+        assert_eq!(r.verdict("B", 0.3), "B costs +0.20 % ± 0.08 %");
+    }
+
+    #[test]
+    fn goal_verdicts() {
+        let ci = |mean: f64, lo: f64, hi: f64| RatioCi {
+            n: 5,
+            mean_pct: mean,
+            lo_pct: lo,
+            hi_pct: hi,
+        };
+        assert_eq!(
+            ci(35.0, 33.0, 37.0).goal_verdict(1.40, 5.0),
+            "meets ≤1.40×: 1.350× (95 % 1.330× … 1.370×)"
+        );
+        assert_eq!(
+            ci(60.6, 55.0, 66.0).goal_verdict(1.50, 5.0),
+            "misses ≤1.50×: 1.606× (95 % 1.550× … 1.660×; interval ±5.5 %, wider than the ±5 % wanted)"
+        );
+        assert!(
+            ci(46.0, 40.0, 52.0)
+                .goal_verdict(1.50, 5.0)
+                .starts_with("undecided at ≤1.50×")
+        );
     }
 
     #[test]
