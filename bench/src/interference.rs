@@ -15,116 +15,15 @@ use super::host;
 use super::plot::{self, Panel, Series};
 use super::report::{Csv, OutDir, Report, Table};
 use super::runner::{self, Hog, Job, Scratch, Vm};
-use super::stats::{RatioCi, Summary};
+use super::stats::Summary;
 use super::{BenchError, InterferenceArgs, Sizes};
 
 /// CPU sampling period for the plots.
 const SAMPLE: Duration = Duration::from_millis(50);
 /// Adaptive rounds: at least this many.
 const MIN_ROUNDS: u32 = 3;
-/// Issue 13's goals: the slowdown beside each hog with shares 3:1 (plus a
-/// limit on the I/O hog), for both victims.
-const GOALS: [(&str, f64); 2] = [("cpu-hog-3:1", 1.40), ("io-hog-3:1+limit", 1.50)];
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum HogKind {
-    None,
-    Cpu,
-    Io,
-}
-
-#[derive(Debug, Clone, Copy)]
-struct Scenario {
-    key: &'static str,
-    what: &'static str,
-    hog: HogKind,
-    /// Gate scheduler (else CPU backend none).
-    gate: bool,
-    victim_shares: u32,
-    hog_limited: bool,
-}
-
-const SCENARIOS: [Scenario; 7] = [
-    Scenario {
-        key: "alone",
-        what: "victim alone",
-        hog: HogKind::None,
-        gate: true,
-        victim_shares: 1,
-        hog_limited: false,
-    },
-    Scenario {
-        key: "cpu-hog-off",
-        what: "CPU hog, manager off (host scheduler only)",
-        hog: HogKind::Cpu,
-        gate: false,
-        victim_shares: 1,
-        hog_limited: false,
-    },
-    Scenario {
-        key: "cpu-hog-1:1",
-        what: "CPU hog, equal classes",
-        hog: HogKind::Cpu,
-        gate: true,
-        victim_shares: 1,
-        hog_limited: false,
-    },
-    Scenario {
-        key: "cpu-hog-3:1",
-        what: "CPU hog, shares 3:1 for the victim",
-        hog: HogKind::Cpu,
-        gate: true,
-        victim_shares: 3,
-        hog_limited: false,
-    },
-    Scenario {
-        key: "io-hog-off",
-        what: "I/O hog, manager off (host scheduler only)",
-        hog: HogKind::Io,
-        gate: false,
-        victim_shares: 1,
-        hog_limited: false,
-    },
-    Scenario {
-        key: "io-hog-1:1",
-        what: "I/O hog, equal classes",
-        hog: HogKind::Io,
-        gate: true,
-        victim_shares: 1,
-        hog_limited: false,
-    },
-    Scenario {
-        key: "io-hog-3:1+limit",
-        what: "I/O hog, shares 3:1 for the victim, I/O limit on the hog",
-        hog: HogKind::Io,
-        gate: true,
-        victim_shares: 3,
-        hog_limited: true,
-    },
-];
-
-struct Cell {
-    round: u32,
-    job: &'static str,
-    scn: Scenario,
-    total_s: f64,
-    guest_s: Option<f64>,
-    victim_cpu_s: f64,
-    hog_cpu_s: f64,
-    hog_restarts: u64,
-    timeline: Vec<Point>,
-}
-
-/// One sample of the run: CPU used and entitled per class, in percent of
-/// one host CPU.
-#[derive(Debug, Clone, Copy)]
-struct Point {
-    t: f64,
-    victim: f64,
-    hog: f64,
-    victim_ent: Option<f64>,
-    hog_ent: Option<f64>,
-}
+mod scenarios;
+use scenarios::{Cell, GOALS, HogKind, Point, SCENARIOS, Scenario, slowdown};
 
 /// Runs it; returns the output directory and the report.
 pub fn run(a: InterferenceArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String), BenchError> {
@@ -558,22 +457,6 @@ fn set_shares(mgr: &Manager, victim: u32) -> Result<(), BenchError> {
 }
 
 type Measured = (f64, Option<f64>, f64, f64, Vec<Point>);
-
-/// The slowdown of scenario `key` for victim `job`: per round, its total
-/// seconds over the same round's run alone.
-fn slowdown(cells: &[Cell], job: &str, key: &str) -> Option<RatioCi> {
-    let pairs: Vec<(f64, f64)> = cells
-        .iter()
-        .filter(|c| c.job == job && c.scn.key == "alone")
-        .filter_map(|al| {
-            cells
-                .iter()
-                .find(|c| c.job == job && c.scn.key == key && c.round == al.round)
-                .map(|c| (al.total_s, c.total_s))
-        })
-        .collect();
-    RatioCi::of(&pairs)
-}
 
 /// The scheduler's entitlement of a class now, percent of one CPU.
 fn entitlement(mgr: &Manager, class: &str) -> Option<f64> {
