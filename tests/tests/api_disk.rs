@@ -1,7 +1,7 @@
 //! Issue 14 item 2: a disk's control and counters through the API while its
 //! device thread is stuck (the `dev-stall` fault: the device thread holds
-//! the first disk's lock for 8 s, as a device stuck in a slow `preadv`
-//! would), and the typed errors of a disk-limit PATCH: 503 for a device
+//! the first disk's lock for 8 s from its start, as a device stuck in a
+//! slow `preadv` would), and the typed errors of a disk-limit PATCH: 503 for a device
 //! thread that does not answer, 409 for a stopped VM.
 //!
 //! The fault is injected through `CORRAL_FAULT` (a hook that exists only in
@@ -41,10 +41,16 @@ fn a_stalled_device_thread_blocks_no_read_and_a_patch_gets_503() {
         "cmdline": "probe.mode=spin probe.secs=30 probe.interval_ms=500",
         "disks": [{"id": "data", "path": img.to_str().unwrap(), "limits": {"iops": 1000}}]
     });
+    let t = Instant::now();
     let r = d.req("POST", "/v1/vms", Some(&body.to_string()));
+    let took = t.elapsed();
     assert_eq!(r.status, 201, "{}", r.text());
-    // The device thread stalls 1 s after it starts, for 8 s.
-    std::thread::sleep(Duration::from_millis(1500));
+    // Its answer lists the disks' counters, read without the device's lock
+    // (before, it waited for the stall to end).
+    assert!(took < Duration::from_secs(4), "POST /v1/vms took {took:?}");
+    // The device thread stalls for 8 s from its start (before the VM's
+    // creation answers); leave it a moment to take the disk's lock.
+    std::thread::sleep(Duration::from_millis(300));
 
     // Reads answer at once: they take no device lock (before, both waited
     // for the device: until the stall ended).

@@ -146,11 +146,16 @@ pub(crate) fn run(
         em.add_subscriber(Arc::new(Mutex::new(Stdin { serial })));
     }
     #[cfg(debug_assertions)]
-    let (mut inject_panic, mut inject_syscall, mut inject_stall) = (
+    let (mut inject_panic, mut inject_syscall) = (
         crate::seccomp::fault::injected("dev-panic", &shared.name),
         crate::seccomp::fault::injected("dev-syscall", &shared.name),
-        crate::seccomp::fault::injected("dev-stall", &shared.name),
     );
+    // Test-only (debug builds): the device thread stalls from its start,
+    // holding the first disk's lock (see `stall`).
+    #[cfg(debug_assertions)]
+    if crate::seccomp::fault::injected("dev-stall", &shared.name) {
+        stall(&shared);
+    }
     #[cfg(debug_assertions)]
     let inject_at = std::time::Instant::now() + std::time::Duration::from_millis(1000);
     loop {
@@ -162,18 +167,12 @@ pub(crate) fn run(
         }
         // Test-only faults (debug builds; see crate::seccomp::fault): a
         // panic while holding the first disk's lock (a thread that locks it
-        // must recover the poisoned lock), a syscall outside the filter, or
-        // a stall of STALL holding the first disk's lock (as a device stuck
-        // in a slow `preadv` would: the API must still answer, and a
-        // control message times out).
+        // must recover the poisoned lock), or a syscall outside the filter.
         #[cfg(debug_assertions)]
         if std::time::Instant::now() >= inject_at {
             if std::mem::take(&mut inject_syscall) {
                 let r = crate::seccomp::fault::forbidden_syscall();
                 tracing::warn!("fault injection: forbidden syscall returned {r}");
-            }
-            if std::mem::take(&mut inject_stall) {
-                stall(&shared);
             }
             if std::mem::take(&mut inject_panic) {
                 let _held = shared.disks.first().map(|d| lock(&d.block));
@@ -192,7 +191,9 @@ pub(crate) fn run(
 const STALL: std::time::Duration = std::time::Duration::from_secs(8);
 
 /// The `dev-stall` fault: holds the first disk's lock for [`STALL`] (or
-/// until the VM stops) without serving anything.
+/// until the VM stops) without serving anything, as a device stuck in a
+/// slow `preadv` would: the API must still answer, and a control message
+/// times out.
 #[cfg(debug_assertions)]
 fn stall(shared: &Shared) {
     tracing::warn!("fault injection: the device thread stalls for {STALL:?}");
