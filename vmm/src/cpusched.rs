@@ -13,10 +13,19 @@ use corral_scheduler::policy::VmUsage;
 use corral_scheduler::{Gate, Scheduler, VmId};
 
 use crate::hostload::{HostStat, StatReader};
+use proc_source::ProcSource;
+
+#[path = "cpusched_proc.rs"]
+mod proc_source;
 
 /// CPU time of thread `tid` in ns, through its per-thread CPU clock
 /// (guest time included: KVM_RUN runs on the thread).
 pub fn thread_cpu_ns(tid: libc::pid_t) -> Option<u64> {
+    // The kernel reads tid 0 as "the caller" (and !-1 is 0): a tid that is
+    // not a real one reads nothing.
+    if tid <= 0 {
+        return None;
+    }
     // The kernel's clock id for a thread's CPU clock: CPUCLOCK_PERTHREAD (4)
     // | CPUCLOCK_SCHED (2), with the bitwise-negated tid above bit 3 — what
     // glibc's pthread_getcpuclockid computes, without needing a pthread_t
@@ -93,6 +102,9 @@ struct Tracked {
     settled: bool,
     /// The VM's total (vCPUs + extra threads) last reported, ns.
     reported: u64,
+    /// A VM in its own process: sampled through its process clock and its
+    /// gate's page instead of `tids` and `extra`.
+    process: Option<ProcSource>,
 }
 
 /// Host idle, steal and busy time are read from /proc/stat every this many
@@ -243,6 +255,41 @@ impl CpuScheduler {
                 extra_last,
                 settled: false,
                 reported,
+                process: None,
+            },
+        );
+    }
+
+    /// Starts enforcing for VM `id` (already added to the model) that runs
+    /// in its own process `pid` with `vcpus` vCPUs waiting on `gate` (the
+    /// owner side, from `Gate::new_shared`). Its CPU time is the kernel's
+    /// clock of the whole process (one syscall per tick, all its threads);
+    /// which vCPUs are busy comes from the figures the process publishes in
+    /// the gate's page ([`crate::vmgate::spawn_cpu_publisher`]; untrusted,
+    /// clamped), or from the total when it publishes none. The kick is the
+    /// gate's own ([`crate::vmgate::signal_kick`] or the VM's watcher).
+    pub fn attach_process(&self, id: VmId, gate: Arc<Gate>, pid: libc::pid_t, vcpus: usize) {
+        let source = ProcSource::new(pid, &gate, vcpus, self.now_ns());
+        let reported = source.start_total();
+        let mut inner = lock(&self.inner);
+        if let Some(parked) = lock(&self.sched).is_parked(id) {
+            enforce(&gate, !parked);
+        }
+        inner.vms.insert(
+            id,
+            Tracked {
+                gate,
+                tids: Vec::new(),
+                last: Vec::new(),
+                idle_ticks: vec![0; vcpus],
+                runnable: vcpus as u32,
+                total: 0,
+                extra: Vec::new(),
+                extra_last: Vec::new(),
+                extra_idle: Vec::new(),
+                settled: false,
+                reported,
+                process: Some(source),
             },
         );
     }
@@ -301,6 +348,18 @@ impl CpuScheduler {
         inner.usages.clear();
         for (id, v) in inner.vms.iter_mut() {
             let parked = v.gate.is_parked();
+            if let Some(p) = v.process.as_mut() {
+                let s = p.sample(&v.gate, now, tick_ns, &mut v.idle_ticks);
+                inner.vms_since_sample_ns += v.report(s.total);
+                let runnable = if parked { v.runnable.max(1) } else { s.busy };
+                v.runnable = runnable;
+                inner.usages.push(
+                    VmUsage::total(*id, s.total, runnable > 0)
+                        .with_runnable_vcpus(runnable)
+                        .with_busy_helpers(s.helpers),
+                );
+                continue;
+            }
             if !parked {
                 v.settled = false;
             }

@@ -232,3 +232,42 @@ fn an_untracked_busy_thread_is_outside_load() {
     );
     assert!(load.available_pct() < 200.0 - used * 0.6);
 }
+
+/// A VM in its own process (here a spinning `sh`): its CPU time is the
+/// kernel's clock of that process, and garbage published in its gate's
+/// page (u64::MAX per vCPU) changes nothing of what it is charged.
+#[test]
+fn a_vm_process_is_charged_its_process_clock_not_what_it_publishes() {
+    let cpu = capped_vm();
+    let (gate, fd) = Gate::new_shared().unwrap();
+    let peer = Gate::from_fd(fd).unwrap();
+    let mut child = std::process::Command::new("sh")
+        .args(["-c", "while :; do :; done"])
+        .spawn()
+        .unwrap();
+    let pid = child.id() as libc::pid_t;
+    cpu.attach_process(VmId(1), gate.clone(), pid, 1);
+    let start = crate::vmgate::process_cpu_ns(pid).unwrap();
+    peer.publish_cpu(&[u64::MAX]);
+    for _ in 0..20 {
+        std::thread::sleep(Duration::from_millis(10));
+        peer.publish_cpu(&[u64::MAX]);
+        cpu.tick(10_000_000);
+    }
+    let used = crate::vmgate::process_cpu_ns(pid).unwrap() - start;
+    let _ = child.kill();
+    let _ = child.wait();
+    let charged = cpu.with(|s| s.stats()).vms[0].cpu_ns;
+    eprintln!("process used {used} ns, charged {charged} ns");
+    assert!(
+        charged <= used,
+        "charged {charged} ns > the process's {used} ns"
+    );
+    assert!(
+        charged >= used / 2,
+        "charged {charged} ns of the process's {used} ns"
+    );
+    // The capped VM is parked (the sh ignores the gate: only the gate's
+    // state is checked).
+    assert!(gate.is_parked());
+}

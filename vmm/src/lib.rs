@@ -31,6 +31,7 @@ mod shared;
 mod util;
 pub mod vcpu;
 pub mod vm;
+pub mod vmgate;
 mod vmthread;
 
 pub use builder::{start, start_with_kvm};

@@ -1,0 +1,119 @@
+//! Sampling a VM that runs in its own process: its CPU time from the
+//! kernel's clock of the whole process (one syscall per VM and tick,
+//! trusted), and which of its vCPUs are busy from the per-vCPU figures it
+//! publishes in its gate's page (untrusted: clamped, and used only for the
+//! runnable count, which the policy bounds by the VM's vCPUs).
+
+use corral_scheduler::{CpuClamp, Gate};
+
+use super::{BUSY_FRACTION, note_run};
+use crate::vmgate::process_cpu_ns;
+
+/// A publication older than this many ticks is not used: the runnable
+/// count then comes from the process total.
+const STALE_TICKS: u8 = 3;
+
+pub(super) struct ProcSource {
+    pid: libc::pid_t,
+    clamp: CpuClamp,
+    /// Clamped figures of the previous tick.
+    prev: Vec<u64>,
+    buf: Vec<u64>,
+    seq: u64,
+    /// Ticks since the page last changed (saturating).
+    stale: u8,
+    /// The process total at the last sample.
+    total: u64,
+}
+
+/// What one sample of a VM process gives the policy.
+pub(super) struct ProcSample {
+    pub(super) total: u64,
+    pub(super) busy: u32,
+    pub(super) helpers: u32,
+}
+
+impl ProcSource {
+    pub(super) fn new(pid: libc::pid_t, gate: &Gate, vcpus: usize, now_ns: u64) -> Self {
+        let mut buf = vec![0; vcpus];
+        let (n, seq) = gate.read_cpu(&mut buf);
+        let start: Vec<u64> = buf.iter().take(n).copied().collect();
+        let clamp = CpuClamp::new(vcpus, now_ns, &start);
+        Self {
+            pid,
+            prev: clamp.last().to_vec(),
+            clamp,
+            buf,
+            seq,
+            stale: STALE_TICKS,
+            total: process_cpu_ns(pid).unwrap_or(0),
+        }
+    }
+
+    /// The process's CPU time when it was attached.
+    pub(super) fn start_total(&self) -> u64 {
+        self.total
+    }
+
+    /// Reads the process clock and the page; updates each vCPU's idle
+    /// count in `idle` (one entry per vCPU).
+    pub(super) fn sample(
+        &mut self,
+        gate: &Gate,
+        now_ns: u64,
+        tick_ns: u64,
+        idle: &mut [u8],
+    ) -> ProcSample {
+        let total = process_cpu_ns(self.pid)
+            .unwrap_or(self.total)
+            .max(self.total);
+        let used = total - self.total;
+        self.total = total;
+        let (n, seq) = gate.read_cpu(&mut self.buf);
+        if seq != self.seq {
+            self.seq = seq;
+            self.stale = 0;
+        } else {
+            self.stale = self.stale.saturating_add(1);
+        }
+        // A lower bound on the busy vCPUs that the VM cannot fake: whole
+        // ticks of CPU the kernel charged to the process.
+        let k = if used.saturating_mul(BUSY_FRACTION) >= tick_ns {
+            used.div_ceil(tick_ns.max(1))
+        } else {
+            0
+        };
+        let mut busy = 0;
+        let mut vcpus_used = 0u64;
+        if self.stale < STALE_TICKS {
+            let now = self.clamp.update(now_ns, self.buf.get(..n).unwrap_or(&[]));
+            for ((i, p), c) in idle.iter_mut().zip(self.prev.iter_mut()).zip(now) {
+                let ran = c.saturating_sub(*p);
+                vcpus_used = vcpus_used.saturating_add(ran);
+                busy += u32::from(note_run(i, ran, tick_ns));
+                *p = *c;
+            }
+            // Published figures can only add busy vCPUs to the bound.
+            busy = busy.max(k.min(idle.len() as u64) as u32);
+        } else {
+            // No fresh figures: as many vCPUs as whole ticks of CPU used.
+            for (j, i) in idle.iter_mut().enumerate() {
+                let ran = if (j as u64) < k { tick_ns } else { 0 };
+                busy += u32::from(note_run(i, ran, tick_ns));
+            }
+            vcpus_used = used;
+        }
+        // What the vCPUs did not use went to the VM's other threads (its
+        // device thread).
+        let helpers = u32::from(
+            used.saturating_sub(vcpus_used)
+                .saturating_mul(BUSY_FRACTION)
+                >= tick_ns,
+        );
+        ProcSample {
+            total,
+            busy,
+            helpers,
+        }
+    }
+}
