@@ -34,7 +34,7 @@ use std::time::{Duration, Instant};
 
 use corral_scheduler::Gate;
 use corral_vmm::cpusched::{own_thread_cpu_ns, thread_cpu_ns};
-use corral_vmm::vmgate::{KickMode, process_cpu_ns, signal_kick};
+use corral_vmm::vmgate::{process_cpu_ns, signal_kick};
 
 const PEER: &str = "CORRAL_GATEBENCH_PEER";
 const FD: &str = "CORRAL_GATEBENCH_FD";
@@ -70,26 +70,23 @@ fn main() {
     let vcpus = arg("--vcpus", 2);
     let rounds = arg("--rounds", 40);
     let blocks = arg("--blocks", 5);
-    let mut res = [Stats::default(), Stats::default()];
+    let modes = [Mode::InProcess, Mode::Signal, Mode::Watcher];
+    let mut res = [Stats::default(), Stats::default(), Stats::default()];
     let mut sample_cost = (Vec::new(), Vec::new());
     for b in 0..blocks {
-        for i in 0..2 {
-            // Alternate which mode goes first in a block.
-            let i = if b % 2 == 0 { i } else { 1 - i };
-            let mode = if i == 0 {
-                KickMode::Signal
-            } else {
-                KickMode::Watcher
-            };
-            run_block(mode, vcpus, rounds, &mut res[i], &mut sample_cost);
+        for k in 0..modes.len() {
+            // Rotate which mode goes first in a block.
+            let i = (k + b) % modes.len();
+            run_block(modes[i], vcpus, rounds, &mut res[i], &mut sample_cost);
         }
     }
     println!("gatebench: {vcpus} simulated vCPUs, {blocks} blocks x {rounds} parks per mode");
-    for (name, s) in ["signal", "watcher"].iter().zip(&mut res) {
+    for (m, s) in modes.iter().zip(&mut res) {
         s.lat.sort_unstable();
         s.park_cpu.sort_unstable();
         println!(
-            "{name:8} park->off median {:7.1} us  p90 {:7.1} us  max {:8.1} us | daemon CPU per park median {:5.2} us | VM-side watcher CPU per park {:5.2} us | missed {}",
+            "{:10} park->off median {:7.1} us  p90 {:8.1} us  max {:8.1} us | daemon CPU per park median {:5.2} us | watcher CPU per park {:5.2} us | missed {}",
+            m.name(),
             pct(&s.lat, 50) / 1e3,
             pct(&s.lat, 90) / 1e3,
             s.lat.last().copied().unwrap_or(0) as f64 / 1e3,
@@ -98,23 +95,51 @@ fn main() {
             s.missed,
         );
     }
-    let (sig, wat) = (&res[0], &res[1]);
-    println!(
-        "ratio watcher/signal: latency median {:.2}x, p90 {:.2}x; daemon+VM-side CPU per park {:.2}x",
-        pct(&wat.lat, 50) / pct(&sig.lat, 50).max(1.0),
-        pct(&wat.lat, 90) / pct(&sig.lat, 90).max(1.0),
-        (pct(&wat.park_cpu, 50) + wat.other_cpu as f64 / wat.parks.max(1) as f64)
-            / (pct(&sig.park_cpu, 50) + sig.other_cpu as f64 / sig.parks.max(1) as f64).max(1.0)
-    );
+    let cpu = |s: &Stats| pct(&s.park_cpu, 50) + s.other_cpu as f64 / s.parks.max(1) as f64;
+    let [today, sig, wat] = &res;
+    for (name, a, b) in [
+        ("signal/in-process", sig, today),
+        ("watcher/in-process", wat, today),
+        ("watcher/signal", wat, sig),
+    ] {
+        println!(
+            "ratio {name:18}: latency median {:.2}x, p90 {:.2}x; CPU per park (daemon + watcher) {:.2}x",
+            pct(&a.lat, 50) / pct(&b.lat, 50).max(1.0),
+            pct(&a.lat, 90) / pct(&b.lat, 90).max(1.0),
+            cpu(a) / cpu(b).max(1.0)
+        );
+    }
     let (mut threads, mut process) = sample_cost;
     threads.sort_unstable();
     process.sort_unstable();
     println!(
-        "CPU-time sample of one {vcpus}-vCPU VM (daemon side): per-thread clocks {:.2} us, process clock + page {:.2} us ({:.2}x)",
+        "CPU-time sample of one {vcpus}-vCPU VM process (daemon side): per-thread clocks {:.2} us, process clock + page {:.2} us ({:.2}x)",
         pct(&threads, 50) / 1e3,
         pct(&process, 50) / 1e3,
         pct(&threads, 50) / pct(&process, 50).max(1.0)
     );
+}
+
+/// Where the vCPUs run and who kicks them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    /// Today: vCPU threads in the daemon's process, `pthread_kill` from
+    /// the park (`Gate::new`).
+    InProcess,
+    /// A VM process; the daemon's park signals its vCPU threads by tid.
+    Signal,
+    /// A VM process; its watcher thread kicks its vCPU threads.
+    Watcher,
+}
+
+impl Mode {
+    fn name(self) -> &'static str {
+        match self {
+            Mode::InProcess => "in-process",
+            Mode::Signal => "signal",
+            Mode::Watcher => "watcher",
+        }
+    }
 }
 
 #[derive(Default)]
@@ -133,54 +158,107 @@ fn pct(v: &[u64], p: usize) -> f64 {
     v[(v.len() - 1) * p / 100] as f64
 }
 
+/// The simulated VM: a child process, or threads of this one.
 struct Peer {
-    child: Child,
-    lines: Lines<BufReader<ChildStdout>>,
+    child: Option<Child>,
+    lines: Box<dyn Iterator<Item = String>>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+    /// In-process: the watcher CPU figure (none: stays 0).
+    tids: Vec<i32>,
 }
 
 impl Peer {
     fn line(&mut self) -> String {
         match self.lines.next() {
-            Some(Ok(l)) => l,
-            other => panic!("VM process ended: {other:?}"),
+            Some(l) => l,
+            None => panic!("the simulated VM ended"),
+        }
+    }
+
+    fn process(gate_fd: &OwnedFd, mode: Mode, vcpus: usize) -> Peer {
+        let inherit = rustix_dup(gate_fd);
+        let mut child = Command::new(std::env::current_exe().expect("own path"))
+            .env(PEER, mode.name())
+            .env(FD, inherit.as_raw_fd().to_string())
+            .args(["--vcpus", &vcpus.to_string()])
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("VM process");
+        drop(inherit);
+        let out: ChildStdout = child.stdout.take().expect("stdout");
+        let lines: Lines<BufReader<ChildStdout>> = BufReader::new(out).lines();
+        let mut p = Peer {
+            child: Some(child),
+            lines: Box::new(lines.map_while(Result::ok)),
+            threads: Vec::new(),
+            tids: Vec::new(),
+        };
+        p.tids = p
+            .line()
+            .split_whitespace()
+            .skip(1)
+            .filter_map(|t| t.parse().ok())
+            .collect();
+        p
+    }
+
+    fn threads(gate: &Arc<Gate>, vcpus: usize) -> Peer {
+        install_handler();
+        let (tx, rx) = std::sync::mpsc::channel::<String>();
+        let (idt, idr) = std::sync::mpsc::channel();
+        let threads = (0..vcpus)
+            .map(|_| {
+                let (gate, tx, idt) = (gate.clone(), tx.clone(), idt.clone());
+                std::thread::spawn(move || {
+                    // SAFETY: gettid and pthread_self have no preconditions.
+                    let _ = idt.send(unsafe { (libc::gettid(), libc::pthread_self() as usize) });
+                    vcpu(&gate, &|l: &str| {
+                        let _ = tx.send(l.to_string());
+                    });
+                })
+            })
+            .collect();
+        let ids: Vec<(i32, usize)> = (0..vcpus).filter_map(|_| idr.recv().ok()).collect();
+        let pts: Vec<usize> = ids.iter().map(|(_, p)| *p).collect();
+        // Today's kick: the builder's `kick_all` (pthread_kill).
+        gate.set_kick(move || {
+            for p in &pts {
+                // SAFETY: the threads live until the gate is shut down.
+                unsafe { libc::pthread_kill(*p as libc::pthread_t, kick_signal()) };
+            }
+        });
+        Peer {
+            child: None,
+            lines: Box::new(rx.into_iter()),
+            threads,
+            tids: ids.iter().map(|(t, _)| *t).collect(),
         }
     }
 }
 
 fn run_block(
-    mode: KickMode,
+    mode: Mode,
     vcpus: usize,
     rounds: usize,
     s: &mut Stats,
     cost: &mut (Vec<u64>, Vec<u64>),
 ) {
     let (gate, fd) = Gate::new_shared().expect("shared gate");
-    let inherit = rustix_dup(&fd);
-    let mut child = Command::new(std::env::current_exe().expect("own path"))
-        .env(
-            PEER,
-            if mode == KickMode::Signal {
-                "signal"
-            } else {
-                "watcher"
-            },
-        )
-        .env(FD, inherit.as_raw_fd().to_string())
-        .args(["--vcpus", &vcpus.to_string()])
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("VM process");
-    drop(inherit);
-    let lines = BufReader::new(child.stdout.take().expect("stdout")).lines();
-    let mut p = Peer { child, lines };
-    let tids: Vec<i32> = p
-        .line()
-        .split_whitespace()
-        .skip(1)
-        .filter_map(|t| t.parse().ok())
-        .collect();
-    let pid = p.child.id() as i32;
-    if mode == KickMode::Signal {
+    let (gate, mut p) = if mode == Mode::InProcess {
+        let g = Arc::new(Gate::new());
+        let p = Peer::threads(&g, vcpus);
+        (g, p)
+    } else {
+        let p = Peer::process(&fd, mode, vcpus);
+        (gate, p)
+    };
+    let tids = p.tids.clone();
+    // SAFETY: getpid has no preconditions.
+    let pid = p
+        .child
+        .as_ref()
+        .map_or(unsafe { libc::getpid() }, |c| c.id() as i32);
+    if mode == Mode::Signal {
         gate.set_kick(signal_kick(pid, tids.clone()));
     }
     for r in 0..rounds {
@@ -232,12 +310,17 @@ fn run_block(
         }
     }
     gate.shutdown();
-    let l = p.line();
-    s.other_cpu += l
-        .strip_prefix("other_cpu ")
-        .and_then(|v| v.parse::<u64>().ok())
-        .unwrap_or(0);
-    let _ = p.child.wait();
+    if let Some(mut c) = p.child.take() {
+        let l = p.line();
+        s.other_cpu += l
+            .strip_prefix("other_cpu ")
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(0);
+        let _ = c.wait();
+    }
+    for t in p.threads.drain(..) {
+        let _ = t.join();
+    }
 }
 
 fn rustix_dup(fd: &OwnedFd) -> OwnedFd {
@@ -256,7 +339,7 @@ extern "C" fn on_kick(_: libc::c_int) {
     KICKED.with(|k| k.store(true, Ordering::SeqCst));
 }
 
-fn peer(mode: &str, vcpus: usize) {
+fn install_handler() {
     // SAFETY: a zeroed sigaction with a handler that stores a const-init
     // thread-local atomic (async-signal-safe); no SA_RESTART.
     unsafe {
@@ -265,6 +348,10 @@ fn peer(mode: &str, vcpus: usize) {
         libc::sigemptyset(&mut sa.sa_mask);
         libc::sigaction(kick_signal(), &sa, std::ptr::null_mut());
     }
+}
+
+fn peer(mode: &str, vcpus: usize) {
+    install_handler();
     let n: i32 = std::env::var(FD)
         .ok()
         .and_then(|v| v.parse().ok())
@@ -280,7 +367,12 @@ fn peer(mode: &str, vcpus: usize) {
             std::thread::spawn(move || {
                 // SAFETY: gettid and pthread_self have no preconditions.
                 let _ = tx.send(unsafe { (libc::gettid(), libc::pthread_self() as usize) });
-                vcpu(&gate, &out);
+                vcpu(&gate, &|l: &str| {
+                    use std::io::Write;
+                    let mut o = out.lock().unwrap_or_else(|e| e.into_inner());
+                    let _ = writeln!(o, "{l}");
+                    let _ = o.flush();
+                });
             })
         })
         .collect();
@@ -317,7 +409,7 @@ fn peer(mode: &str, vcpus: usize) {
 
 /// A simulated vCPU: spins like a guest (never looking at the gate) until
 /// kicked, then reports when it is off the CPU and waits.
-fn vcpu(gate: &Gate, out: &Mutex<std::io::Stdout>) {
+fn vcpu(gate: &Gate, say: &dyn Fn(&str)) {
     let stop = Instant::now() + Duration::from_secs(120);
     loop {
         KICKED.with(|k| k.store(false, Ordering::SeqCst)); // immediate_exit = 0
@@ -325,22 +417,11 @@ fn vcpu(gate: &Gate, out: &Mutex<std::io::Stdout>) {
             return;
         }
         if gate.is_parked() {
-            let t = monotonic_ns();
-            {
-                use std::io::Write;
-                let mut o = out.lock().unwrap_or_else(|e| e.into_inner());
-                let _ = writeln!(o, "off {t}");
-                let _ = o.flush();
-            }
+            say(&format!("off {}", monotonic_ns()));
             if gate.wait_while_parked() == corral_scheduler::WaitOutcome::Shutdown {
                 return;
             }
-            {
-                use std::io::Write;
-                let mut o = out.lock().unwrap_or_else(|e| e.into_inner());
-                let _ = writeln!(o, "on");
-                let _ = o.flush();
-            }
+            say("on");
             continue;
         }
         // "KVM_RUN": until a kick.
