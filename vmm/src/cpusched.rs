@@ -262,14 +262,23 @@ impl CpuScheduler {
 
     /// Starts enforcing for VM `id` (already added to the model) that runs
     /// in its own process `pid` with `vcpus` vCPUs waiting on `gate` (the
-    /// owner side, from `Gate::new_shared`). Its CPU time is the kernel's
-    /// clock of the whole process (one syscall per tick, all its threads);
-    /// which vCPUs are busy comes from the figures the process publishes in
-    /// the gate's page ([`crate::vmgate::spawn_cpu_publisher`]; untrusted,
-    /// clamped), or from the total when it publishes none. The kick is the
-    /// gate's own ([`crate::vmgate::signal_kick`] or the VM's watcher).
-    pub fn attach_process(&self, id: VmId, gate: Arc<Gate>, pid: libc::pid_t, vcpus: usize) {
-        let source = ProcSource::new(pid, &gate, vcpus, self.now_ns());
+    /// owner side, from `Gate::new_shared`); `tids` are the vCPU threads'
+    /// host tids, if the daemon knows them (empty otherwise). Its CPU time
+    /// is the kernel's clock of the whole process (one syscall per tick,
+    /// device thread included); busy vCPUs come from the `tids`' clocks,
+    /// else from the figures the process publishes in the gate's page
+    /// (untrusted, clamped), else from the total (see `cpusched_proc.rs`).
+    /// The kick is the gate's own ([`crate::vmgate::signal_kick`] or the
+    /// VM's watcher).
+    pub fn attach_process(
+        &self,
+        id: VmId,
+        gate: Arc<Gate>,
+        pid: libc::pid_t,
+        vcpus: usize,
+        tids: Vec<libc::pid_t>,
+    ) {
+        let source = ProcSource::new(pid, tids, &gate, vcpus, self.now_ns());
         let reported = source.start_total();
         let mut inner = lock(&self.inner);
         if let Some(parked) = lock(&self.sched).is_parked(id) {
@@ -349,9 +358,20 @@ impl CpuScheduler {
         for (id, v) in inner.vms.iter_mut() {
             let parked = v.gate.is_parked();
             if let Some(p) = v.process.as_mut() {
-                let s = p.sample(&v.gate, now, tick_ns, &mut v.idle_ticks);
+                if !parked {
+                    v.settled = false;
+                }
+                let settled = parked && v.settled;
+                if parked && v.gate.waiting() >= v.idle_ticks.len() as u64 {
+                    v.settled = true;
+                }
+                let s = p.sample(&v.gate, now, tick_ns, &mut v.idle_ticks, settled);
                 inner.vms_since_sample_ns += v.report(s.total);
-                let runnable = if parked { v.runnable.max(1) } else { s.busy };
+                let runnable = match s.busy {
+                    _ if parked => v.runnable.max(1),
+                    Some(b) => b,
+                    None => v.runnable,
+                };
                 v.runnable = runnable;
                 inner.usages.push(
                     VmUsage::total(*id, s.total, runnable > 0)

@@ -1,8 +1,19 @@
 //! Sampling a VM that runs in its own process: its CPU time from the
 //! kernel's clock of the whole process (one syscall per VM and tick,
-//! trusted), and which of its vCPUs are busy from the per-vCPU figures it
-//! publishes in its gate's page (untrusted: clamped, and used only for the
-//! runnable count, which the policy bounds by the VM's vCPUs).
+//! trusted; it covers the device thread too), and which of its vCPUs are
+//! busy from, in this order:
+//!
+//! 1. the vCPU threads' clocks by host tid (trusted; one syscall per vCPU,
+//!    skipped while the VM is parked and settled, as in one process);
+//! 2. the per-vCPU figures the VM process publishes in its gate's page
+//!    (untrusted: clamped, and only ever adding to 3.);
+//! 3. the process total: at least as many busy vCPUs as whole ticks of CPU
+//!    it used.
+//!
+//! Measured (BENCHMARKS.md, "Cross-process gate"): a publisher thread
+//! waking every tick costs the VM process ~40 µs per tick on this host,
+//! more than 50× the daemon's 0.7 µs for four thread clocks, so 1. is the
+//! default and 2. serves a VM process whose host tids the daemon lacks.
 
 use corral_scheduler::{CpuClamp, Gate};
 
@@ -15,6 +26,10 @@ const STALE_TICKS: u8 = 3;
 
 pub(super) struct ProcSource {
     pid: libc::pid_t,
+    /// Host tids of the vCPU threads (may be empty).
+    tids: Vec<libc::pid_t>,
+    /// Their clocks at the last read.
+    tid_last: Vec<u64>,
     clamp: CpuClamp,
     /// Clamped figures of the previous tick.
     prev: Vec<u64>,
@@ -29,18 +44,30 @@ pub(super) struct ProcSource {
 /// What one sample of a VM process gives the policy.
 pub(super) struct ProcSample {
     pub(super) total: u64,
-    pub(super) busy: u32,
+    pub(super) busy: Option<u32>,
     pub(super) helpers: u32,
 }
 
 impl ProcSource {
-    pub(super) fn new(pid: libc::pid_t, gate: &Gate, vcpus: usize, now_ns: u64) -> Self {
+    pub(super) fn new(
+        pid: libc::pid_t,
+        tids: Vec<libc::pid_t>,
+        gate: &Gate,
+        vcpus: usize,
+        now_ns: u64,
+    ) -> Self {
+        let tid_last = tids
+            .iter()
+            .map(|t| super::thread_cpu_ns(*t).unwrap_or(0))
+            .collect();
         let mut buf = vec![0; vcpus];
         let (n, seq) = gate.read_cpu(&mut buf);
         let start: Vec<u64> = buf.iter().take(n).copied().collect();
         let clamp = CpuClamp::new(vcpus, now_ns, &start);
         Self {
             pid,
+            tids,
+            tid_last,
             prev: clamp.last().to_vec(),
             clamp,
             buf,
@@ -55,14 +82,17 @@ impl ProcSource {
         self.total
     }
 
-    /// Reads the process clock and the page; updates each vCPU's idle
-    /// count in `idle` (one entry per vCPU).
+    /// Reads the process clock, then the vCPU clocks (unless `settled`:
+    /// parked and every vCPU seen on the gate) or the page; updates each
+    /// vCPU's idle count in `idle` (one entry per vCPU). `busy` is `None`
+    /// when settled (the caller keeps its count).
     pub(super) fn sample(
         &mut self,
         gate: &Gate,
         now_ns: u64,
         tick_ns: u64,
         idle: &mut [u8],
+        settled: bool,
     ) -> ProcSample {
         let total = process_cpu_ns(self.pid)
             .unwrap_or(self.total)
@@ -85,7 +115,29 @@ impl ProcSource {
         };
         let mut busy = 0;
         let mut vcpus_used = 0u64;
-        if self.stale < STALE_TICKS {
+        if settled {
+            return ProcSample {
+                total,
+                busy: None,
+                helpers: u32::from(used.saturating_mul(BUSY_FRACTION) >= tick_ns),
+            };
+        }
+        if !self.tids.is_empty() {
+            for ((t, last), i) in self
+                .tids
+                .iter()
+                .zip(&mut self.tid_last)
+                .zip(idle.iter_mut())
+            {
+                let Some(ns) = super::thread_cpu_ns(*t) else {
+                    continue; // thread gone: the VM is stopping
+                };
+                let ran = ns.saturating_sub(*last);
+                *last = (*last).max(ns);
+                vcpus_used = vcpus_used.saturating_add(ran);
+                busy += u32::from(note_run(i, ran, tick_ns));
+            }
+        } else if self.stale < STALE_TICKS {
             let now = self.clamp.update(now_ns, self.buf.get(..n).unwrap_or(&[]));
             for ((i, p), c) in idle.iter_mut().zip(self.prev.iter_mut()).zip(now) {
                 let ran = c.saturating_sub(*p);
@@ -112,7 +164,7 @@ impl ProcSource {
         );
         ProcSample {
             total,
-            busy,
+            busy: Some(busy),
             helpers,
         }
     }

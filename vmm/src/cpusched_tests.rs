@@ -246,7 +246,7 @@ fn a_vm_process_is_charged_its_process_clock_not_what_it_publishes() {
         .spawn()
         .unwrap();
     let pid = child.id() as libc::pid_t;
-    cpu.attach_process(VmId(1), gate.clone(), pid, 1);
+    cpu.attach_process(VmId(1), gate.clone(), pid, 1, Vec::new());
     let start = crate::vmgate::process_cpu_ns(pid).unwrap();
     peer.publish_cpu(&[u64::MAX]);
     for _ in 0..20 {
@@ -270,4 +270,45 @@ fn a_vm_process_is_charged_its_process_clock_not_what_it_publishes() {
     // The capped VM is parked (the sh ignores the gate: only the gate's
     // state is checked).
     assert!(gate.is_parked());
+}
+
+/// A VM process whose vCPU host tids are known: its busy vCPUs come from
+/// their clocks, and a page claiming busy vCPUs (u64::MAX each) is
+/// ignored: an idle process is idle. Without tids the page may only add
+/// busy vCPUs; what it is charged is still the process clock (~0).
+#[test]
+fn a_vm_process_page_cannot_fake_what_the_kernel_counts() {
+    use corral_scheduler::model::{Capacity, ClassSpec, VmSpec};
+    use corral_scheduler::{PolicyConfig, Scheduler};
+    for with_tids in [true, false] {
+        let mut sched = Scheduler::new(Capacity::from_cpus(2), PolicyConfig::default()).unwrap();
+        sched.create_class("c", ClassSpec::new(100)).unwrap();
+        sched.add_vm(VmId(1), VmSpec::new("c", 1)).unwrap();
+        let cpu = CpuScheduler::new(Arc::new(Mutex::new(sched)));
+        let (gate, fd) = Gate::new_shared().unwrap();
+        let peer = Gate::from_fd(fd).unwrap();
+        let mut child = std::process::Command::new("sleep")
+            .arg("10")
+            .spawn()
+            .unwrap();
+        let pid = child.id() as libc::pid_t;
+        let tids = if with_tids { vec![pid] } else { Vec::new() };
+        cpu.attach_process(VmId(1), gate.clone(), pid, 1, tids);
+        for _ in 0..10 {
+            std::thread::sleep(Duration::from_millis(10));
+            peer.publish_cpu(&[u64::MAX]);
+            cpu.tick(10_000_000);
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+        let st = cpu.with(|s| s.stats()).vms[0].clone();
+        assert!(
+            st.cpu_ns < 5_000_000,
+            "an idle process charged {} ns",
+            st.cpu_ns
+        );
+        if with_tids {
+            assert_eq!(st.runnable_vcpus, 0, "the page made an idle VM runnable");
+        }
+    }
 }

@@ -95,8 +95,10 @@ pub fn process_cpu_ns(pid: libc::pid_t) -> Option<u64> {
 /// VM process side: a thread that publishes the CPU time of the vCPU
 /// threads `tids` (this process's own tids) in `gate` every `period`, until
 /// the gate is shut down. The daemon then reads the page instead of one
-/// thread clock per vCPU (the publisher's cost, N clock reads per period,
-/// is the VM process's and is charged to it).
+/// thread clock per vCPU. Measured: ~40 µs of the VM process's CPU per
+/// publication here (the wake-up dominates), against the daemon's 0.7 µs
+/// for four thread clocks; so it is only for a VM process whose host tids
+/// the daemon does not know (`CpuScheduler::attach_process` with no tids).
 pub fn spawn_cpu_publisher(
     gate: Arc<Gate>,
     tids: Vec<libc::pid_t>,
