@@ -198,9 +198,20 @@ pub fn run(a: InterferenceArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String)
                 started.elapsed().as_secs_f64()
             );
         }
-        if started.elapsed() + started.elapsed() / round > budget {
+        let per = started.elapsed() / round;
+        if started.elapsed() + per > budget {
+            let more = super::stats::pairs_needed(round as usize, widest, a.target).map_or_else(
+                String::new,
+                |n| {
+                    format!(
+                        "; at this spread ±{} % would take about {n} rounds (~{:.0} min)",
+                        a.target,
+                        per.as_secs_f64() * n as f64 / 60.0
+                    )
+                },
+            );
             break format!(
-                "{round} rounds: the budget of {:.0} s is spent; the widest 95 % interval is ±{widest:.1} % (wanted ±{} %)",
+                "{round} rounds: the budget of {:.0} s is spent; the widest 95 % interval is ±{widest:.1} % (wanted ±{} %){more}",
                 budget.as_secs_f64(),
                 a.target
             );

@@ -234,8 +234,18 @@ pub fn run(a: OverheadArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String), Be
         }
         let per = started.elapsed() / run;
         if started.elapsed() + per > budget {
+            let more = super::stats::pairs_needed(run as usize, widest, a.target).map_or_else(
+                String::new,
+                |n| {
+                    format!(
+                        "; at this spread ±{} % would take about {n} rounds (~{:.0} min)",
+                        a.target,
+                        per.as_secs_f64() * n as f64 / 60.0
+                    )
+                },
+            );
             break format!(
-                "{run} rounds: the budget of {:.0} s is spent; the widest 95 % interval is ±{widest:.2} % (wanted ±{} %)",
+                "{run} rounds: the budget of {:.0} s is spent; the widest 95 % interval is ±{widest:.2} % (wanted ±{} %){more}",
                 budget.as_secs_f64(),
                 a.target
             );

@@ -174,6 +174,21 @@ impl RatioCi {
     }
 }
 
+/// How many pairs an interval of half-width `half` after `n` pairs would
+/// need to shrink to `target` at the same spread: the standard error goes
+/// as 1/sqrt(n), and t(n - 1) shrinks too, so `n (half / target)^2` is an
+/// upper estimate (never below `n + 1` while `half > target`).
+pub fn pairs_needed(n: usize, half: f64, target: f64) -> Option<usize> {
+    if !(half.is_finite() && target > 0.0) || n < 2 {
+        return None;
+    }
+    if half <= target {
+        return Some(n);
+    }
+    let est = (n as f64 * (half / target).powi(2)).ceil();
+    (est < 1e9).then(|| (est as usize).max(n + 1))
+}
+
 /// Parses a duration: `90`, `90s`, `15m`, `1h`, `1h30m`.
 pub fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
     let bad = || format!("bad duration {s:?}: use e.g. 90s, 15m, 1h30m");
@@ -326,6 +341,16 @@ mod tests {
                 .goal_verdict(1.50, 5.0)
                 .starts_with("undecided at ≤1.50×")
         );
+    }
+
+    #[test]
+    fn pairs_to_reach_a_target() {
+        // ±0.6 % after 10 pairs: ±0.3 % needs 4x the pairs.
+        assert_eq!(pairs_needed(10, 0.6, 0.3), Some(40));
+        assert_eq!(pairs_needed(10, 0.2, 0.3), Some(10));
+        assert_eq!(pairs_needed(10, 0.301, 0.3), Some(11));
+        assert_eq!(pairs_needed(1, 1.0, 0.3), None);
+        assert_eq!(pairs_needed(5, f64::INFINITY, 0.3), None);
     }
 
     #[test]
