@@ -476,8 +476,11 @@ fn for_vm_jails_a_vm_config_and_the_host_finds_its_threads() {
         .unwrap_or_else(|| panic!("no exit:\n{}", j.output()));
     assert_eq!(j.finish(Duration::from_secs(10)), Some(0), "{}", j.output());
     let f = j.facts();
-    assert_eq!(f["root"], "dev,disk-vda,disk-vdb,kernel");
-    assert_eq!(f["ro_write"], ENOENT, "the files are named disk-*, kernel");
+    assert_eq!(f["root"], "dev,disk0,disk1,kernel");
+    assert_eq!(
+        f["ro_write"], ENOENT,
+        "the files are named disk0, disk1, kernel"
+    );
     let out = j.output();
     assert!(out.contains("GUEST PROBE-UP"), "{out}");
     let _ = std::fs::remove_dir_all(&dir);

@@ -20,8 +20,19 @@ fn set(resource: Resource, name: &'static str, v: Option<u64>) -> Result<(), Jai
 }
 
 /// Sets the limits, soft = hard, and `RLIMIT_CORE` to 0 (no core file of
-/// guest memory).
+/// guest memory). A write past `RLIMIT_FSIZE` fails with EFBIG: SIGXFSZ is
+/// ignored, so that a long log file on stderr cannot kill the VM.
 pub(super) fn set_limits(l: &JailLimits) -> Result<(), JailError> {
+    if l.fsize.is_some() {
+        // SAFETY: SIG_IGN installs no handler; no code runs on the signal.
+        unsafe {
+            nix::sys::signal::signal(
+                nix::sys::signal::Signal::SIGXFSZ,
+                nix::sys::signal::SigHandler::SigIgn,
+            )
+        }
+        .map_err(at(Step::Rlimit("RLIMIT_FSIZE")))?;
+    }
     set(Resource::Nofile, "RLIMIT_NOFILE", Some(l.nofile))?;
     set(Resource::As, "RLIMIT_AS", l.address_space)?;
     set(Resource::Nproc, "RLIMIT_NPROC", Some(l.nproc))?;

@@ -11,7 +11,8 @@ use crate::vm::{KernelSource, VmConfig};
 
 impl<'a> JailSpec<'a> {
     /// The jail of the VM `cfg`: its kernel at `/kernel`, its initrd at
-    /// `/initrd`, disk `NAME` at `/disk-NAME` (read-only as configured),
+    /// `/initrd`, disk `NAME` at `/NAME` (`/disk-NAME` for a disk named
+    /// `kernel`, `initrd` or `dev`; read-only as configured),
     /// host name = the VM's name (up to 64 bytes), limits sized by
     /// [`JailLimits::for_vm`]. Every file must be open already (a path
     /// cannot be opened once jailed): a `Path` kernel, initrd or disk is
@@ -52,7 +53,10 @@ impl<'a> JailSpec<'a> {
                 largest_writable = largest_writable.max(f.len());
             }
             files.push(JailFile {
-                name: format!("disk-{}", d.name(i)),
+                name: match d.name(i) {
+                    n if ["kernel", "initrd", "dev"].contains(&n.as_str()) => format!("disk-{n}"),
+                    n => n,
+                },
                 fd: std::os::fd::AsFd::as_fd(f.file()),
                 read_only: d.read_only,
             });

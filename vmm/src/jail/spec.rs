@@ -133,30 +133,35 @@ pub struct JailLimits {
 /// Address space a VM process needs beyond guest RAM. Measured (`corral
 /// run`, probe `spin`, 128 MiB): VmSize = guest + 155 MiB with 1 vCPU
 /// (peak + 213 MiB: code, glibc's malloc arenas of 64 MiB reserved each,
-/// thread stacks), + 64 MiB per further vCPU. 512 MiB leaves room for the
-/// control thread(s) of `corral vmm`.
-pub const AS_MARGIN: u64 = 512 << 20;
+/// thread stacks), + 64 MiB per further vCPU. `corral vmm` has about five
+/// more threads (control, console, accept, ...), each of which may reserve
+/// an arena: 155 + 5 x 64 = 475 MiB; 1 GiB leaves twice that. The limit is
+/// there against a runaway (a guest-driven allocation), not to be tight.
+pub const AS_MARGIN: u64 = 1 << 30;
 /// Address space per vCPU thread: its malloc arena (64 MiB reserved), its
 /// stack (2 MiB) and its `kvm_run` mapping, rounded up.
 pub const AS_PER_VCPU: u64 = 80 << 20;
 
 impl JailLimits {
     /// Limits sized for a VM: address space = guest RAM + [`AS_MARGIN`] +
-    /// [`AS_PER_VCPU`] per vCPU; fds = 64 + 4 per vCPU + 8 per disk (a
-    /// vCPU fd, a disk's file, ioeventfd, irqfd, timerfd and its ring);
-    /// tasks = vCPUs + 16 (device thread, main and control threads); the
-    /// largest file it may write = the largest writable image, at least
-    /// 64 MiB (its console output may go to a regular file).
+    /// [`AS_PER_VCPU`] per vCPU; fds = 128 + 4 per vCPU + 8 per disk (a
+    /// vCPU fd; a disk's file, ioeventfd, irqfd, timerfd and its ring; the
+    /// base: the VM and KVM fds, eventfds, the control sockets and their
+    /// connections); tasks = vCPUs + 16 (device, main and control
+    /// threads, the outer process of a pid namespace); the largest file it
+    /// may write = the largest writable image, at least 1 GiB (its stderr
+    /// may be a daemon's log file: a write past the limit fails with
+    /// EFBIG, SIGXFSZ is ignored in the jail, so it never kills the VM).
     pub fn for_vm(memory_mib: u64, vcpus: u32, disks: u32, largest_writable: u64) -> Self {
         Self {
-            nofile: 64 + 4 * u64::from(vcpus) + 8 * u64::from(disks),
+            nofile: 128 + 4 * u64::from(vcpus) + 8 * u64::from(disks),
             address_space: Some(
                 (memory_mib << 20)
                     .saturating_add(AS_MARGIN)
                     .saturating_add(AS_PER_VCPU * u64::from(vcpus)),
             ),
             nproc: u64::from(vcpus) + 16,
-            fsize: Some(largest_writable.max(64 << 20)),
+            fsize: Some(largest_writable.max(1 << 30)),
         }
     }
 }
