@@ -144,6 +144,7 @@ struct RunCli {
 }
 
 fn main() -> ExitCode {
+    corral_vmm::boottrace::step("main");
     match std::env::var("CORRAL_LOG") {
         Ok(_) => tracing_subscriber::fmt()
             .with_env_filter(
@@ -164,6 +165,7 @@ fn main() -> ExitCode {
         let _ = argv.next();
         let _ = argv.next();
         let cli = RunCli::parse_from(std::iter::once("corral run".into()).chain(argv));
+        corral_vmm::boottrace::step("args");
         return run::run(cli.args);
     }
     let cli = Cli::parse();

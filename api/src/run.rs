@@ -81,10 +81,12 @@ pub fn run(a: RunArgs) -> ExitCode {
     if !a.no_seccomp
         && let Err(e) = corral_vmm::seccomp::enable()
             .and_then(|()| corral_vmm::seccomp::check_all())
+            .inspect(|()| corral_vmm::boottrace::step("seccomp-compile"))
             .and_then(|()| corral_vmm::seccomp::install(corral_vmm::seccomp::ThreadKind::Runtime))
     {
         return fail(e.to_string());
     }
+    corral_vmm::boottrace::step("runtime-seccomp");
     let vm = match corral_vmm::start(&cfg) {
         Ok(vm) => vm,
         Err(e) => return fail(e.to_string()),

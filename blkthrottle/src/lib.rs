@@ -95,14 +95,41 @@
 //! every admission is at least `n/r` after the previous *actual* one, and a
 //! poll late by `δ` pushes every later admission back by `δ`. (Admitting "at
 //! the due instant in virtual time" would put two admissions closer than
-//! `n/r` in real time and break the bound by `r·δ`.) Where the bucket has
-//! room beyond the request, lateness up to the bucket's headroom
-//! `(b − n)/r` costs nothing (the level keeps rising); only beyond it do
-//! tokens overflow. [`Throttle::wait_slack`] tells the caller that headroom
-//! for a waiting request, and the device acts on it: when it is shorter
-//! than its timer's lateness it arms the timer early and waits the last
-//! stretch on the clock, so the poll lands on the due nanosecond and the
-//! rate is the limit's.
+//! `n/r` in real time and break the bound by `r·δ`.)
+//!
+//! More generally, **the bucket is the maximal rule under its bound**: for
+//! requests of at most `b` units and no one-time burst, whenever it makes
+//! a request of `n` units wait at `t`, admitting it at `t` would put more
+//! than `b + r·(t − s)` units into some window `[s, t]`. So "charging
+//! lateness to the next admission within what the bound allows" is what
+//! it already does, to the last unit: nothing is left to give back. Proof:
+//! let `c` be the last instant `≤ t` at which the level was clamped to the
+//! size (the bucket starts full, so `c` exists; `c = 0` if it never
+//! clamped), with `A[u, t]` the units admitted in `[u, t]`. No clamp after
+//! `c` means the level at `t` is exactly `L(t) = b + r·(t − c) − A[c, t]`
+//! (the sub-nanosecond overshoot above is `r·(⌈c⌉ − c)` and keeps this
+//! exact). If no admission lies in `[c, t]`, `L(t) ≥ b ≥ n` and the request
+//! is admitted. Otherwise let `s` be the first admission after `c`:
+//! `A[s, t] = A[c, t]` and `t − s ≤ t − c`, so a refusal (`L(t) < n`) gives
+//! `A[s, t] + n > b + r·(t − c) ≥ b + r·(t − s)`: the window `[s, t]` with
+//! the request in it exceeds the bound. Every rule that keeps the bound
+//! therefore waits at least as long after a late poll as the bucket does,
+//! and where the bucket has room beyond the request, lateness up to its
+//! headroom `(b − n)/r` costs nothing (the level keeps rising); only
+//! beyond it do tokens overflow. `tests/maximal.rs` checks the maximality
+//! on the fake clock for random rates, sizes, request streams and poll
+//! lateness, down to buckets one op deep.
+//!
+//! So a one-request bucket gets its rate exactly when, and only when, it
+//! is polled on the due nanosecond (`tests/maximal.rs`,
+//! `one_request_bucket_on_time_is_exact`: the k-th request at
+//! `⌈k·n·10⁹/r⌉` ns). [`Throttle::wait_slack`] tells the caller the
+//! headroom for a waiting request, and the device acts on it: when it is
+//! shorter than its timer's lateness it arms the timer early and waits the
+//! last stretch on the clock, so the poll lands on the due nanosecond and
+//! the rate is the limit's; what a one-request bucket still loses on a
+//! real host is the device thread's lateness beyond that early margin
+//! (preemption on a loaded host), which is scheduling, not arithmetic.
 //!
 //! # Groups
 //!

@@ -9,6 +9,14 @@ pub trait BusDevice: Send {
     fn read(&mut self, offset: u64, data: &mut [u8]);
     /// The guest writes `data` at `offset` from the device's base.
     fn write(&mut self, offset: u64, data: &[u8]);
+    /// String I/O (`rep outsb`): the guest writes `data`, elements of `size`
+    /// bytes, one after the other at `offset`, in one VM exit. By default
+    /// one [`Self::write`] each; a device may do the whole burst at once.
+    fn write_burst(&mut self, offset: u64, data: &[u8], size: usize) {
+        for elem in data.chunks_exact(size) {
+            self.write(offset, elem);
+        }
+    }
 }
 
 /// Errors of bus construction.
@@ -151,10 +159,7 @@ impl Bus {
         let whole = matches!(size, 1 | 2 | 4) && data.len().is_multiple_of(size);
         match self.find(addr, size).filter(|_| whole) {
             Some((e, off)) => {
-                let mut dev = lock(&e.dev);
-                for elem in data.chunks_exact(size) {
-                    dev.write(off, elem);
-                }
+                lock(&e.dev).write_burst(off, data, size);
                 true
             }
             None => {

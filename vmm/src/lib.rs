@@ -10,6 +10,7 @@
 
 pub mod acpi;
 pub mod boot;
+pub mod boottrace;
 pub mod builder;
 pub mod cgroup;
 mod control;

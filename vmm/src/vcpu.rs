@@ -58,6 +58,9 @@ pub(crate) fn run(mut vcpu: VcpuFd, index: u8, shared: Arc<Shared>) {
     };
     #[cfg(debug_assertions)]
     let mut inject = fault_injection::Vcpu::new(&shared.name, index);
+    // Boot tracing: the first entry and the guest's first serial byte.
+    let mut first_run = true;
+    let mut first_out = true;
     loop {
         // A seccomp violation recorded by the SIGSYS handler stops the VM.
         shared.check_faults();
@@ -80,12 +83,20 @@ pub(crate) fn run(mut vcpu: VcpuFd, index: u8, shared: Arc<Shared>) {
         if parked {
             continue;
         }
+        if first_run {
+            first_run = false;
+            crate::boottrace::step("kvm-run");
+        }
         let exit = vcpu.run();
         match exit {
             // `data` holds `count` elements of `size` bytes (string I/O,
             // `rep insb/outsb`, has count > 1): one device access each.
             Ok(VcpuExit::IoOut(port, data)) => {
                 stats.io_out.fetch_add(1, Ordering::Relaxed);
+                if first_out && port == 0x3f8 {
+                    first_out = false;
+                    crate::boottrace::step("serial-byte");
+                }
                 shared
                     .pio
                     .write_elems(u64::from(port), data, io_size(run_ptr));

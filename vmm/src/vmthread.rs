@@ -46,6 +46,10 @@ pub(crate) fn spawn(
                 });
             };
             let installed = seccomp::install(kind);
+            crate::boottrace::step(match kind {
+                ThreadKind::Vcpu => "vcpu-seccomp",
+                _ => "thread-seccomp",
+            });
             // The tid goes back once the filter is in place: when `start`
             // returns, every thread of the VM runs under its filter.
             // SAFETY: gettid has no preconditions.

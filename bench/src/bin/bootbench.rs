@@ -7,11 +7,27 @@
 //! ```
 //!
 //! One warm-up run, then RUNS (default 11) measured runs; prints each run and
-//! min / median / max.
+//! min / median / max. With `BOOTBENCH_STEPS=1` the VM is started with
+//! `CORRAL_BOOT_TRACE=1` and the median offset of each start-up step from
+//! the spawn is printed too (the steps are in `corral_vmm::boottrace`).
 
-use std::io::Read;
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader, Read};
 use std::process::{Command, Stdio};
 use std::time::Instant;
+
+fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes into the timespec we own.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// One run's start-up steps: (name, µs after the spawn), in order.
+type Steps = Vec<(String, f64)>;
 
 fn rss_kib(pid: u32) -> Option<u64> {
     let s = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
@@ -53,9 +69,17 @@ fn print_smaps(pid: u32) {
     }
 }
 
-fn one(vcpus: &str, mem: &str) -> (f64, u64) {
+fn one(vcpus: &str, mem: &str) -> (f64, u64, Steps) {
+    let steps_on = std::env::var_os("BOOTBENCH_STEPS").is_some();
+    let mut cmd = Command::new(corral_tests::corral_bin());
+    if steps_on {
+        cmd.env("CORRAL_BOOT_TRACE", "1").stderr(Stdio::piped());
+    } else {
+        cmd.stderr(Stdio::inherit());
+    }
+    let m0 = monotonic_ns();
     let t0 = Instant::now();
-    let mut child = Command::new(corral_tests::corral_bin())
+    let mut child = cmd
         .args([
             "run",
             "--vcpus",
@@ -67,9 +91,23 @@ fn one(vcpus: &str, mem: &str) -> (f64, u64) {
         ])
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
         .spawn()
         .expect("spawn corral");
+    let reader = child.stderr.take().map(|e| {
+        std::thread::spawn(move || {
+            let mut steps = Steps::new();
+            for line in BufReader::new(e).lines().take(1000) {
+                let Ok(line) = line else { break };
+                let mut f = line.split_whitespace();
+                if f.next() == Some("corral-boot-step")
+                    && let (Some(name), Some(Ok(ns))) = (f.next(), f.next().map(str::parse::<u64>))
+                {
+                    steps.push((name.to_string(), ns.saturating_sub(m0) as f64 / 1e3));
+                }
+            }
+            steps
+        })
+    });
     let mut out = child.stdout.take().expect("stdout");
     let mut buf = Vec::new();
     let mut b = [0u8; 256];
@@ -81,13 +119,48 @@ fn one(vcpus: &str, mem: &str) -> (f64, u64) {
             break t0.elapsed().as_secs_f64() * 1e3;
         }
     };
+    let up_us = monotonic_ns().saturating_sub(m0) as f64 / 1e3;
     let rss = rss_kib(child.id()).unwrap_or(0);
     if std::env::var_os("BOOTBENCH_SMAPS").is_some() {
         print_smaps(child.id());
     }
     let _ = child.kill();
     let _ = child.wait();
-    (ms, rss)
+    let mut steps = reader.and_then(|r| r.join().ok()).unwrap_or_default();
+    if steps_on {
+        steps.push(("PROBE-UP-seen".into(), up_us));
+    }
+    (ms, rss, steps)
+}
+
+/// Median offset of each step over the runs, in the order of the first run,
+/// with the time since the step before.
+fn print_steps(runs: &[Steps]) {
+    let Some(first) = runs.first() else { return };
+    let mut by: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
+    for r in runs {
+        for (n, us) in r {
+            by.entry(n.as_str()).or_default().push(*us);
+        }
+    }
+    println!(
+        "start-up steps (µs after spawn over {} runs: median, its delta from the step before, min):",
+        runs.len()
+    );
+    let mut prev = 0.0;
+    for (n, _) in first {
+        let Some(v) = by.get_mut(n.as_str()) else {
+            continue;
+        };
+        v.sort_by(|a, b| a.total_cmp(b));
+        let med = v[v.len() / 2];
+        println!(
+            "  {n:16} {med:8.0} µs  (+{:6.0})  min {:8.0}",
+            med - prev,
+            v[0]
+        );
+        prev = med;
+    }
 }
 
 fn main() {
@@ -102,8 +175,10 @@ fn main() {
     one(vcpus, mem);
     let mut t = Vec::new();
     let mut r = Vec::new();
+    let mut all_steps = Vec::new();
     for i in 0..runs {
-        let (ms, rss) = one(vcpus, mem);
+        let (ms, rss, steps) = one(vcpus, mem);
+        all_steps.push(steps);
         println!(
             "run {:2}: {:6.2} ms to PROBE-UP, RSS {:5} KiB",
             i + 1,
@@ -129,4 +204,7 @@ fn main() {
         r[r.len() / 2] as f64 / 1024.0,
         r[r.len() - 1]
     );
+    if std::env::var_os("BOOTBENCH_STEPS").is_some() {
+        print_steps(&all_steps);
+    }
 }
