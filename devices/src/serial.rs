@@ -114,4 +114,34 @@ mod tests {
         s.read(0, &mut two);
         assert_eq!(two, [0xff, 0xff]);
     }
+
+    /// `rep outsb` to THR: all bytes in order, in one append to the log
+    /// (one write to the host fd); with the divisor latch open the same
+    /// burst sets the divisor and transmits nothing, as byte writes would.
+    #[test]
+    fn a_string_burst_is_one_output_write() {
+        let log = ConsoleLog::new(1024);
+        let irq = EventFd::new(libc::EFD_NONBLOCK).unwrap();
+        let mut fds = [0; 2];
+        // SAFETY: pipe writes two new descriptors into the array we own.
+        assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+        // SAFETY: both are fresh descriptors that nothing else owns.
+        let (r, w) = unsafe {
+            use std::os::fd::FromRawFd;
+            (
+                std::fs::File::from_raw_fd(fds[0]),
+                std::os::fd::OwnedFd::from_raw_fd(fds[1]),
+            )
+        };
+        let mut s = SerialDevice::new(irq, Some(w), log.clone());
+        s.write_burst(0, b"PROBE-UP\n", 1);
+        assert_eq!(log.tail(64), b"PROBE-UP\n");
+        let mut got = [0u8; 64];
+        let n = std::io::Read::read(&mut &r, &mut got).unwrap();
+        assert_eq!(&got[..n], b"PROBE-UP\n", "one read gets the whole line");
+        s.write(3, &[0x80]); // LCR.DLAB
+        s.write_burst(0, b"ab", 1);
+        s.write(3, &[0x03]);
+        assert_eq!(log.total(), 9, "divisor writes are not output");
+    }
 }
