@@ -291,6 +291,7 @@ pub struct Disk {
     #[serde(rename = "readonly")]
     pub read_only: bool,
     pub direct: bool,
+    pub engine: Option<String>,
     pub limits: Limits,
     pub group: Option<String>,
     pub capacity_bytes: u64,
@@ -305,6 +306,7 @@ impl From<DiskInfo> for Disk {
             path: c.path.display().to_string(),
             read_only: c.read_only,
             direct: c.direct,
+            engine: d.engine.or(c.engine).map(|e| e.to_string()),
             limits: c.limits,
             group: d.group,
             capacity_bytes: d.capacity_bytes,

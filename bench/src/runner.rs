@@ -210,6 +210,7 @@ impl Vm {
                     path: p.clone(),
                     read_only: job.disk_read_only,
                     direct: false,
+                    engine: None,
                     limits: *l,
                 })
                 .collect(),

@@ -178,12 +178,26 @@ fn evil_line<'a>(o: &'a Outcome, case: &str) -> Option<&'a str> {
 /// its result is `expect` (and `used_len`, if given), the disk is unchanged
 /// (unless `may_write`), stderr stayed under the bound. Returns the result
 /// line.
+/// Each case runs on both disk engines (`engine=sync`, `engine=uring`).
 fn check(case: &str, disk_extra: &str, expect: &str, used_len: Option<u32>) -> String {
+    let mut line = String::new();
+    for engine in ["sync", "uring"] {
+        line = check_on(
+            case,
+            &format!("{disk_extra},engine={engine}"),
+            expect,
+            used_len,
+        );
+    }
+    line
+}
+
+fn check_on(case: &str, disk_extra: &str, expect: &str, used_len: Option<u32>) -> String {
     let disk = Disk::new(case);
     let o = run_case(case, Some(&disk.spec(disk_extra)));
     let ctx = || {
         format!(
-            "case {case}: killed={:?} success={} stderr_bytes={}\n--- stdout\n{}\n--- stderr (head)\n{}",
+            "case {case} ({disk_extra}): killed={:?} success={} stderr_bytes={}\n--- stdout\n{}\n--- stderr (head)\n{}",
             o.killed,
             o.success,
             o.stderr_bytes,

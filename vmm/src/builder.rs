@@ -214,6 +214,7 @@ fn build_disks(cfg: &VmConfig, files: &OpenFiles) -> Result<Vec<BuiltDisk>, VmEr
             disk,
             BlockOptions {
                 serial: d.id.clone().unwrap_or_default(),
+                engine: d.engine,
             },
         )
         .map_err(|e| disk_err(&e))?;
@@ -421,14 +422,15 @@ fn attach_disks(
         }
         mmio.insert(d.base, MMIO_WINDOW_SIZE, Arc::new(Mutex::new(transport)))
             .map_err(|e| dev_err(e.to_string()))?;
-        let (capacity_bytes, counters) = {
+        let (capacity_bytes, counters, engine) = {
             let b = lock(&d.block);
-            (b.capacity_sectors() * SECTOR_SIZE, b.counters())
+            (b.capacity_sectors() * SECTOR_SIZE, b.counters(), b.engine())
         };
         attached.push(AttachedDisk {
             name: d.name,
             config: d.config,
             capacity_bytes,
+            engine,
             block: d.block,
             counters,
         });

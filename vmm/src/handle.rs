@@ -120,6 +120,7 @@ impl VmHandle {
                 path: d.config.path.clone(),
                 read_only: d.config.read_only,
                 direct: d.config.direct,
+                engine: d.engine,
                 capacity_bytes: d.capacity_bytes,
                 limits: d.counters.limits(),
                 stats: d.counters.throttle_stats(),

@@ -121,6 +121,8 @@ pub(crate) struct AttachedDisk {
     pub(crate) config: DiskConfig,
     /// Size in bytes.
     pub(crate) capacity_bytes: u64,
+    /// The I/O engine serving it (fixed when the device is built).
+    pub(crate) engine: corral_devices::virtio::blk::IoEngine,
     /// The device; locked by the device thread (and the vCPU thread of an
     /// MMIO access) only, while it serves the disk.
     pub(crate) block: Arc<Mutex<Block>>,

@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use corral_blkthrottle::{Limits, ThrottleGroup};
-use corral_devices::virtio::blk::{BlockStatsSnapshot, DiskSpec};
+use corral_devices::virtio::blk::{BlockStatsSnapshot, DiskSpec, IoEngine};
 use corral_scheduler::gate::Gate;
 use kvm_ioctls::Kvm;
 
@@ -73,6 +73,9 @@ pub struct DiskConfig {
     pub read_only: bool,
     /// Open with `O_DIRECT`.
     pub direct: bool,
+    /// I/O engine (`engine=`); `None`: io_uring where the kernel supports
+    /// it, else sync.
+    pub engine: Option<IoEngine>,
     /// The disk's own limits.
     pub limits: Limits,
     /// A shared limit (per class or named), if any, and this disk's weight in it.
@@ -91,6 +94,7 @@ impl DiskConfig {
             path: spec.path,
             read_only: spec.read_only,
             direct: spec.direct,
+            engine: spec.engine,
             limits: spec.limits,
             group: None,
             file: None,
@@ -130,6 +134,8 @@ pub struct DiskStatus {
     pub read_only: bool,
     /// O_DIRECT.
     pub direct: bool,
+    /// The engine serving it (the requested one, or the default chosen).
+    pub engine: IoEngine,
     /// Size in bytes.
     pub capacity_bytes: u64,
     /// The disk's own limits.

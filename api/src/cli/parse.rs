@@ -32,7 +32,7 @@ pub fn apply_limits<'a>(
     Ok(l)
 }
 
-/// Parses `--disk PATH[,readonly][,direct][,id=NAME][,key=value...]` with
+/// Parses `--disk PATH[,readonly][,direct][,id=NAME][,engine=sync|uring][,key=value...]` with
 /// the grammar `corral run --disk` uses ([`DiskSpec::parse`]), with the same
 /// errors.
 pub fn parse_disk(spec: &str) -> Result<dto::DiskRequest, CliError> {
@@ -42,6 +42,7 @@ pub fn parse_disk(spec: &str) -> Result<dto::DiskRequest, CliError> {
         path: d.path,
         read_only: d.read_only,
         direct: d.direct,
+        engine: d.engine,
         limits: d.limits,
     })
 }

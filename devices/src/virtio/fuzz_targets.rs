@@ -9,19 +9,23 @@ use std::cell::RefCell;
 
 use vm_memory::{Bytes, GuestAddress};
 
-use super::testing::fuzz::{Input, MEM_SIZE, State, new_state};
+use super::blk::IoEngine;
+use super::testing::fuzz::{Input, MEM_SIZE, State, engine_of, new_state};
 use super::testing::{AVAIL_ADDR, DATA_ADDR, DESC_ADDR, Harness, USED_ADDR};
 use super::{features, status};
 use crate::bus::{BusDevice, lock};
 
 thread_local! {
-    static STATE: RefCell<Option<State>> = const { RefCell::new(None) };
+    static STATE: RefCell<[Option<State>; 2]> = const { RefCell::new([None, None]) };
 }
 
-fn with_harness(f: impl FnOnce(&mut Harness)) {
+/// Runs `f` on the harness of `data`'s engine (both engines are fuzzed:
+/// [`engine_of`]).
+fn with_harness(data: &[u8], f: impl FnOnce(&mut Harness)) {
+    let engine = engine_of(data);
     STATE.with(|s| {
         let mut s = s.borrow_mut();
-        let st = s.get_or_insert_with(new_state);
+        let st = s[usize::from(engine == IoEngine::Uring)].get_or_insert_with(|| new_state(engine));
         f(&mut st.h);
     });
 }
@@ -39,7 +43,13 @@ fn used_idx(h: &Harness) -> u16 {
 fn serve(h: &mut Harness, counted: bool) {
     let before = used_idx(h);
     let broken = h.r32(0x70) & status::DEVICE_NEEDS_RESET != 0;
-    lock(&h.block).process_queue();
+    {
+        // A pass, then its io_uring completions (nothing is in flight
+        // before it: every pass here ends so).
+        let mut b = lock(&h.block);
+        b.process_queue();
+        b.wait_io();
+    }
     let done = used_idx(h).wrapping_sub(before);
     if broken {
         assert_eq!(done, 0, "a device needing reset served requests");
@@ -64,7 +74,7 @@ fn clear_used_idx(h: &Harness) {
 /// rings, device-thread passes and resets, with now and then a proper
 /// bring-up step so that deep states are reached.
 pub fn mmio(data: &[u8]) {
-    with_harness(|h| mmio_on(h, data));
+    with_harness(data, |h| mmio_on(h, data));
 }
 
 fn mmio_on(h: &mut Harness, data: &[u8]) {
@@ -148,7 +158,7 @@ fn mmio_on(h: &mut Harness, data: &[u8]) {
 /// data, indirect tables: whatever the fuzzer makes of it). The device is brought
 /// up and serves the queue twice, with a reset or a notify between.
 pub fn device(data: &[u8]) {
-    with_harness(|h| device_on(h, data));
+    with_harness(data, |h| device_on(h, data));
 }
 
 fn device_on(h: &mut Harness, data: &[u8]) {

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 
-use super::blk::{Block, BlockOptions, DiskFile};
+use super::blk::{Block, BlockOptions, DiskFile, IoEngine};
 use super::{MmioTransport, VirtioDevice, status};
 use crate::bus::{BusDevice, lock};
 
@@ -154,12 +154,23 @@ impl Harness {
     /// Guest memory of `mem_size` bytes at 0 and a device serving `disk`,
     /// brought up with every offered feature except those in `drop_features`.
     pub fn new(disk: DiskFile, mem_size: usize, drop_features: u64) -> Self {
+        Self::with_engine(disk, mem_size, drop_features, IoEngine::auto())
+    }
+
+    /// [`Harness::new`] on the given I/O engine.
+    pub fn with_engine(
+        disk: DiskFile,
+        mem_size: usize,
+        drop_features: u64,
+        engine: IoEngine,
+    ) -> Self {
         let mem = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), mem_size)]).unwrap();
         let block = Arc::new(Mutex::new(
             Block::new(
                 disk,
                 BlockOptions {
                     serial: "corral-test-serial-xyz".into(),
+                    engine: Some(engine),
                 },
             )
             .unwrap(),
@@ -222,9 +233,12 @@ impl Harness {
     }
 
     /// Runs the device's queue processing (what the device thread does on
-    /// a notification).
+    /// a notification), then waits for what the io_uring engine has in
+    /// flight (what the device thread does on the ring's eventfd).
     pub fn process(&self) {
-        lock(&self.block).process_queue();
+        let mut b = lock(&self.block);
+        b.process_queue();
+        b.wait_io();
     }
 }
 
@@ -288,10 +302,21 @@ pub mod fuzz {
     }
 
     thread_local! {
-        static STATE: RefCell<Option<State>> = const { RefCell::new(None) };
+        static STATE: RefCell<[Option<State>; 2]> = const { RefCell::new([None, None]) };
     }
 
-    pub(crate) fn new_state() -> State {
+    /// The engine an input runs on: both, by the parity of its length (so
+    /// the fuzzer explores each, and a crash reproduces on its engine; the
+    /// sync engine where io_uring is unavailable).
+    pub(crate) fn engine_of(data: &[u8]) -> IoEngine {
+        if data.len().is_multiple_of(2) && crate::virtio::blk::uring::supported() {
+            IoEngine::Uring
+        } else {
+            IoEngine::Sync
+        }
+    }
+
+    pub(crate) fn new_state(engine: IoEngine) -> State {
         // tmpfs when available: FLUSH (fdatasync) is then cheap.
         let dir = ["/dev/shm", "/tmp"]
             .iter()
@@ -303,7 +328,7 @@ pub mod fuzz {
         file.as_file().set_len(1 << 20).expect("size temp disk");
         let disk = DiskFile::open(file.as_path(), false, false).expect("open temp disk");
         State {
-            h: Harness::new(disk, MEM_SIZE, 0),
+            h: Harness::with_engine(disk, MEM_SIZE, 0, engine),
             _file: file,
         }
     }
@@ -311,8 +336,10 @@ pub mod fuzz {
     /// Runs one fuzz input. Panics only on a bug.
     pub fn run(data: &[u8]) {
         STATE.with(|s| {
+            let engine = engine_of(data);
             let mut s = s.borrow_mut();
-            let st = s.get_or_insert_with(new_state);
+            let st =
+                s[usize::from(engine == IoEngine::Uring)].get_or_insert_with(|| new_state(engine));
             run_on(&mut st.h, data);
         });
     }

@@ -110,6 +110,7 @@ fn main() {
             path: f.path().to_path_buf(),
             read_only,
             direct: false,
+            engine: None,
             limits: Default::default(),
             group: None,
             file: Some(f),

@@ -78,6 +78,7 @@ impl Manager {
                 path: d.path.clone(),
                 read_only: d.read_only,
                 direct: d.direct,
+                engine: d.engine,
                 limits: d.limits,
                 // Every disk is in its class's I/O group (unlimited until the
                 // class gets `io` limits), so class limits apply live.

@@ -114,6 +114,7 @@ impl Entry {
                         capacity_bytes: 0,
                         stats: None,
                         group: None,
+                        engine: None,
                     })
                     .collect(),
             ),
@@ -149,6 +150,7 @@ impl Entry {
                 d.capacity_bytes = live.capacity_bytes;
                 d.stats = Some(live.stats);
                 d.group = live.group;
+                d.engine = Some(live.engine);
             }
         }
         disks

@@ -3,6 +3,7 @@
 //! host).
 
 use super::*;
+pub use corral_devices::virtio::blk::IoEngine;
 
 /// The default guest memory budget: host memory less what the host keeps,
 /// at least 10 % of it or 1 GiB, whichever is larger.
@@ -52,9 +53,32 @@ pub struct DiskRequest {
     /// O_DIRECT.
     #[serde(default)]
     pub direct: bool,
+    /// I/O engine, `sync` or `uring`; `None` (absent or null): io_uring
+    /// where the kernel supports it, else sync.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        serialize_with = "engine_ser",
+        deserialize_with = "engine_de"
+    )]
+    pub engine: Option<IoEngine>,
     /// The disk's own limits.
     #[serde(default, deserialize_with = "limits_object")]
     pub limits: Limits,
+}
+
+fn engine_ser<S: serde::Serializer>(e: &Option<IoEngine>, s: S) -> Result<S::Ok, S::Error> {
+    match e {
+        Some(e) => s.serialize_str(e.as_str()),
+        None => s.serialize_none(),
+    }
+}
+
+fn engine_de<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<IoEngine>, D::Error> {
+    use serde::Deserialize;
+    Option::<String>::deserialize(d)?
+        .map(|s| s.parse().map_err(serde::de::Error::custom))
+        .transpose()
 }
 
 /// Limits only from a JSON object (serde's derived deserializers also take
@@ -239,6 +263,8 @@ pub struct DiskInfo {
     /// The I/O group the disk is in now (`class:<its VM's class>`), when
     /// the VM has the disk attached.
     pub group: Option<String>,
+    /// The engine serving the disk, when the VM has it attached.
+    pub engine: Option<IoEngine>,
 }
 
 /// Snapshot of one VM.

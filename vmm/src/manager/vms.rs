@@ -482,6 +482,7 @@ mod tests {
             path: "/nonexistent".into(),
             read_only: false,
             direct: false,
+            engine: None,
             limits: Limits::default(),
         };
         let mut r = VmRequest {

@@ -177,8 +177,17 @@ fn vcpu(r: &mut Rules) {
     // code: vcpu.rs regs_summary).
     ioctls(r, &[KVM_RUN(), KVM_GET_REGS(), KVM_GET_SREGS()]);
     // A guest's virtio-mmio reset drains the queue eventfds and the
-    // throttle timerfd and disarms it (seen: read EAGAIN, timerfd_settime).
-    allow(r, &[libc::SYS_read, libc::SYS_timerfd_settime]);
+    // throttle timerfd and disarms it (seen: read EAGAIN, timerfd_settime),
+    // and waits for the disk's io_uring requests in flight
+    // (io_uring_enter with GETEVENTS; from blk/uring.rs `drain`).
+    allow(
+        r,
+        &[
+            libc::SYS_read,
+            libc::SYS_timerfd_settime,
+            libc::SYS_io_uring_enter,
+        ],
+    );
 }
 
 fn device(r: &mut Rules) {
@@ -210,6 +219,11 @@ fn device(r: &mut Rules) {
             libc::SYS_timerfd_settime,
         ],
     );
+    // The io_uring engine: submitting and reaping (io_uring_enter only; the
+    // rings are set up and their eventfds registered by the runtime thread
+    // that builds the VM, so io_uring_setup and io_uring_register stay
+    // denied here).
+    allow(r, &[libc::SYS_io_uring_enter]);
     // Live limit changes wake a throttled request: the gate re-polls.
     kicks(r);
 }
@@ -359,6 +373,11 @@ fn runtime(r: &mut Rules) {
             libc::SYS_ppoll,
         ],
     );
+    // The io_uring engine of virtio-blk: building a VM sets up each disk's
+    // ring (after a probe ring at the first disk) and registers its
+    // completion eventfd and the probe (blk/uring.rs); dropping a VM waits
+    // for its requests in flight (io_uring_enter, from the device rules).
+    allow(r, &[libc::SYS_io_uring_setup, libc::SYS_io_uring_register]);
     // The API: Unix and TCP sockets.
     allow(
         r,
@@ -482,6 +501,10 @@ mod tests {
                 libc::SYS_socket,
                 libc::SYS_execve,
                 libc::SYS_exit_group,
+                // A new or re-registered ring would escape the allow-lists
+                // (seccomp does not see io_uring's operations).
+                libc::SYS_io_uring_setup,
+                libc::SYS_io_uring_register,
             ] {
                 assert!(!r.contains_key(&nr), "{k:?} allows syscall {nr}");
             }

@@ -239,60 +239,76 @@ impl DiskFile {
 
     /// `preadv`/`pwritev` of all of `self.iov` at `offset`, resuming after
     /// short transfers and `EINTR`. Clears `self.iov`.
-    fn transfer_iov(&mut self, mut offset: u64, write: bool) -> io::Result<()> {
-        let fd = self.file.as_raw_fd();
-        let mut start = 0;
-        let res = loop {
-            while start < self.iov.len() && self.iov[start].iov_len == 0 {
-                start += 1;
-            }
-            if start == self.iov.len() {
-                break Ok(());
-            }
-            let cnt = (self.iov.len() - start).min(IOV_MAX);
-            let iov = self.iov[start..].as_ptr();
-            let Ok(off) = libc::off_t::try_from(offset) else {
-                break Err(errno(libc::EINVAL));
-            };
-            // SAFETY: `iov[start..start + cnt]` are valid iovecs: each was
-            // built by `build_iov` from a vm-memory VolatileSlice inside a
-            // guest memory region, and `mem` (borrowed by our caller) keeps
-            // the mapping alive during the call. The kernel accesses only
-            // those ranges, which are guest memory: they never alias Rust
-            // objects of the VMM.
-            let n = unsafe {
-                if write {
-                    libc::pwritev(fd, iov, cnt as libc::c_int, off)
-                } else {
-                    libc::preadv(fd, iov, cnt as libc::c_int, off)
-                }
-            };
-            if n < 0 {
-                let e = io::Error::last_os_error();
-                if e.kind() == io::ErrorKind::Interrupted {
-                    continue;
-                }
-                break Err(e);
-            }
-            if n == 0 {
-                break Err(io::ErrorKind::UnexpectedEof.into());
-            }
-            let mut n = n as usize;
-            offset += n as u64;
-            while n > 0 {
-                let v = &mut self.iov[start];
-                let k = n.min(v.iov_len);
-                // Stays within the iovec's range (k <= iov_len).
-                v.iov_base = v.iov_base.cast::<u8>().wrapping_add(k).cast();
-                v.iov_len -= k;
-                n -= k;
-                if v.iov_len == 0 {
-                    start += 1;
-                }
-            }
-        };
-        self.iov.clear();
+    fn transfer_iov(&mut self, offset: u64, write: bool) -> io::Result<()> {
+        let mut iov = std::mem::take(&mut self.iov);
+        // SAFETY: every iovec was built by `build_iov` from a vm-memory
+        // VolatileSlice inside a guest memory region, and `mem` (borrowed by
+        // our caller) keeps the mapping alive during the call.
+        let res = unsafe { transfer(self.file.as_raw_fd(), &mut iov, offset, write) };
+        iov.clear();
+        self.iov = iov;
         res
+    }
+
+    /// For the io_uring engine: the host iovecs of a read (or write) of
+    /// `segs` at `offset` that can go to the file as they are — in range,
+    /// writable if a write, within `IOV_MAX`, and aligned on a direct disk —
+    /// or `None` (the request takes the synchronous path, which reports the
+    /// error or bounces it). Every iovec lies inside a region of `mem`.
+    pub(super) fn uring_iov(
+        &mut self,
+        mem: &GuestMemoryMmap,
+        segs: &[Segment],
+        offset: u64,
+        write: bool,
+    ) -> Option<Vec<libc::iovec>> {
+        if write && self.read_only {
+            return None;
+        }
+        self.check_range(offset, total_len(segs)).ok()?;
+        let aligned = self.build_iov(mem, segs).ok()?;
+        let ok = (!self.direct || (aligned && offset.is_multiple_of(DIRECT_ALIGN as u64)))
+            && !self.iov.is_empty()
+            && self.iov.len() <= IOV_MAX;
+        if !ok {
+            self.iov.clear();
+            return None;
+        }
+        Some(std::mem::take(&mut self.iov))
+    }
+
+    /// Finishes a transfer of `iov` at `offset` of which the first `done`
+    /// bytes completed (a short io_uring completion), synchronously.
+    ///
+    /// # Safety
+    ///
+    /// Every iovec must point into guest memory that stays mapped during the
+    /// call (as [`DiskFile::uring_iov`] returns them, with the memory kept
+    /// alive by the caller).
+    pub(super) unsafe fn finish_short(
+        &self,
+        iov: &mut [libc::iovec],
+        done: usize,
+        offset: u64,
+        write: bool,
+    ) -> io::Result<()> {
+        let mut start = 0;
+        advance(iov, &mut start, done);
+        // SAFETY: the caller's guarantee; `advance` keeps each iovec inside
+        // its original range.
+        unsafe {
+            transfer(
+                self.file.as_raw_fd(),
+                &mut iov[start..],
+                offset + done as u64,
+                write,
+            )
+        }
+    }
+
+    /// The file's descriptor (for io_uring submissions).
+    pub(super) fn raw_fd(&self) -> std::os::fd::RawFd {
+        self.file.as_raw_fd()
     }
 
     fn check_range(&self, offset: u64, len: u64) -> io::Result<()> {
@@ -480,6 +496,73 @@ impl DiskFile {
             pos += n as u64;
         }
         Ok(())
+    }
+}
+
+/// Drops the first `n` bytes of `iov[*start..]`, moving `start` past the
+/// iovecs used up.
+fn advance(iov: &mut [libc::iovec], start: &mut usize, mut n: usize) {
+    while n > 0 && *start < iov.len() {
+        let v = &mut iov[*start];
+        let k = n.min(v.iov_len);
+        // Stays within the iovec's range (k <= iov_len).
+        v.iov_base = v.iov_base.cast::<u8>().wrapping_add(k).cast();
+        v.iov_len -= k;
+        n -= k;
+        if v.iov_len == 0 {
+            *start += 1;
+        }
+    }
+}
+
+/// `preadv`/`pwritev` of all of `iov` at `offset` on `fd`, resuming after
+/// short transfers and `EINTR`.
+///
+/// # Safety
+///
+/// Every iovec must describe memory that stays mapped for the call and that
+/// no Rust reference aliases (guest memory).
+unsafe fn transfer(
+    fd: std::os::fd::RawFd,
+    iov: &mut [libc::iovec],
+    mut offset: u64,
+    write: bool,
+) -> io::Result<()> {
+    let mut start = 0;
+    loop {
+        while start < iov.len() && iov[start].iov_len == 0 {
+            start += 1;
+        }
+        if start == iov.len() {
+            return Ok(());
+        }
+        let cnt = (iov.len() - start).min(IOV_MAX);
+        let p = iov[start..].as_ptr();
+        let Ok(off) = libc::off_t::try_from(offset) else {
+            return Err(errno(libc::EINVAL));
+        };
+        // SAFETY: `iov[start..start + cnt]` are valid iovecs over memory the
+        // caller keeps mapped; the kernel accesses only those ranges, which
+        // never alias Rust objects of the VMM.
+        let n = unsafe {
+            if write {
+                libc::pwritev(fd, p, cnt as libc::c_int, off)
+            } else {
+                libc::preadv(fd, p, cnt as libc::c_int, off)
+            }
+        };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        if n == 0 {
+            return Err(io::ErrorKind::UnexpectedEof.into());
+        }
+        offset += n as u64;
+        advance(iov, &mut start, n as usize);
     }
 }
 

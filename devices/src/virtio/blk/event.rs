@@ -1,8 +1,9 @@
-//! The device thread's view of a disk: its queue eventfd and throttle timer.
+//! The device thread's view of a disk: its queue eventfd, throttle timer
+//! and, on the io_uring engine, the ring's completion eventfd.
 
 use event_manager::{EventOps, EventSet, Events, MutEventSubscriber};
 
-use super::{Block, TIMER_TOKEN};
+use super::{Block, RING_TOKEN, TIMER_TOKEN};
 
 impl MutEventSubscriber for Block {
     fn process(&mut self, events: Events, _ops: &mut EventOps) {
@@ -18,6 +19,14 @@ impl MutEventSubscriber for Block {
                 let _ = self.queue_evts[0].read();
                 self.process_queue_polling();
             }
+            RING_TOKEN => {
+                if let Some(u) = self.engine.uring.as_ref() {
+                    let _ = u.eventfd().read();
+                }
+                // Completes what finished, then serves (and polls) the queue:
+                // a driver refills it as completions arrive.
+                self.process_queue_polling();
+            }
             other => tracing::warn!("virtio-blk: unexpected event token {other}"),
         }
     }
@@ -28,6 +37,11 @@ impl MutEventSubscriber for Block {
         }
         if let Err(e) = ops.add(Events::with_data(&self.timer, TIMER_TOKEN, EventSet::IN)) {
             tracing::error!("virtio-blk: cannot watch the throttle timer: {e:?}");
+        }
+        if let Some(u) = self.engine.uring.as_ref()
+            && let Err(e) = ops.add(Events::with_data(u.eventfd(), RING_TOKEN, EventSet::IN))
+        {
+            tracing::error!("virtio-blk: cannot watch the io_uring eventfd: {e:?}");
         }
     }
 }

@@ -1,4 +1,6 @@
-//! Executing a parsed request against the disk and completing it.
+//! Executing a parsed request against the disk and completing it:
+//! synchronously, or by handing it to the io_uring engine ([`Engine::submit`])
+//! and completing it when it is reaped ([`Engine::complete_done`]).
 
 use virtio_queue::QueueT;
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
@@ -7,6 +9,7 @@ use super::queue::break_ring;
 use super::request::{self, Malformed, Request, RequestType};
 use super::stats::add;
 use super::throttle::{Nanos, OpKind, RequestThrottle, monotonic_ns};
+use super::uring::{Done, Slot};
 use super::{
     Active, Engine, MAX_DISCARD_SECTORS, MAX_DISCARD_SEG, SECTOR_SIZE, WZ_UNMAP, blk_status,
     feature,
@@ -54,15 +57,126 @@ impl Engine {
         }
     }
 
-    /// Executes `req` and puts it in the used ring.
+    /// Executes `req` and puts it in the used ring (true) — or, on the
+    /// io_uring engine, submits it (false; [`Engine::complete_done`]
+    /// finishes it).
     pub(super) fn complete(
         &mut self,
         act: &mut Active,
         throttle: Option<&mut (dyn RequestThrottle + 'static)>,
         req: &Request,
         taken_at: Nanos,
-    ) {
+    ) -> bool {
+        if self.submit(act, req, taken_at) {
+            return false;
+        }
         let (status, written) = self.execute(&act.mem, req);
+        self.done(act, throttle, req, taken_at, status, written);
+        true
+    }
+
+    /// Queues `req` on the io_uring engine if it takes it (reads and writes
+    /// that need no bounce, flushes); false: execute it synchronously.
+    fn submit(&mut self, act: &Active, req: &Request, taken_at: Nanos) -> bool {
+        if self.uring.is_none() {
+            return false;
+        }
+        let (offset, iov) = match req.kind {
+            RequestType::In | RequestType::Out if req.data_len > 0 => {
+                let Some(off) = self.range(req.sector, req.data_len) else {
+                    return false;
+                };
+                let write = req.kind == RequestType::Out;
+                match self.disk.uring_iov(&act.mem, &req.data, off, write) {
+                    Some(iov) => (off, iov),
+                    None => return false,
+                }
+            }
+            RequestType::Flush => (0, Vec::new()),
+            _ => return false,
+        };
+        let slot = Slot {
+            req: req.clone(),
+            taken_at,
+            offset,
+            iov,
+            _mem: act.mem.clone(),
+        };
+        let fd = self.disk.raw_fd();
+        self.uring.as_mut().is_some_and(|u| u.push(fd, slot))
+    }
+
+    /// Completes a request the io_uring engine finished.
+    pub(super) fn complete_done(
+        &mut self,
+        act: &mut Active,
+        throttle: Option<&mut (dyn RequestThrottle + 'static)>,
+        d: Done,
+    ) {
+        let Done { mut slot, res } = d;
+        let st = self.stats.clone();
+        let req = &slot.req;
+        let (status, written) = match req.kind {
+            RequestType::Flush if res >= 0 => {
+                add(&st.flush_ops, 1);
+                (blk_status::OK, 0)
+            }
+            RequestType::Flush => {
+                let e = std::io::Error::from_raw_os_error(-res);
+                let k = GuestErrorKind::HostIo;
+                (self.refuse(k, format_args!("fdatasync failed: {e}")), 0)
+            }
+            kind => {
+                let write = kind == RequestType::Out;
+                let want = req.data_len;
+                let r = match u64::try_from(res) {
+                    Err(_) => Err(std::io::Error::from_raw_os_error(-res)),
+                    Ok(n) if n >= want => Ok(()),
+                    Ok(0) => Err(std::io::ErrorKind::UnexpectedEof.into()),
+                    // SAFETY: the iovecs came from `uring_iov` over guest
+                    // memory that `slot.mem` keeps mapped.
+                    Ok(n) => unsafe {
+                        self.disk
+                            .finish_short(&mut slot.iov, n as usize, slot.offset, write)
+                    },
+                };
+                let off = slot.offset;
+                match (r, write) {
+                    (Ok(()), false) => {
+                        add(&st.read_ops, 1);
+                        add(&st.read_bytes, want);
+                        (blk_status::OK, want)
+                    }
+                    (Ok(()), true) => {
+                        add(&st.write_ops, 1);
+                        add(&st.write_bytes, want);
+                        (blk_status::OK, 0)
+                    }
+                    (Err(e), w) => {
+                        let k = GuestErrorKind::HostIo;
+                        let what = if w { "write" } else { "read" };
+                        (
+                            self.refuse(k, format_args!("{what} at {off:#x} failed: {e}")),
+                            0,
+                        )
+                    }
+                }
+            }
+        };
+        self.done(act, throttle, &slot.req, slot.taken_at, status, written);
+    }
+
+    /// Counts the outcome, puts the request in the used ring, and tells the
+    /// throttle its latency.
+    fn done(
+        &self,
+        act: &mut Active,
+        throttle: Option<&mut (dyn RequestThrottle + 'static)>,
+        req: &Request,
+        taken_at: Nanos,
+        status: u8,
+        written: u64,
+    ) {
         match status {
             blk_status::OK => {}
             blk_status::UNSUPP => add(&self.stats.unsupported, 1),

@@ -16,7 +16,8 @@
 //! a ring virtio-queue refuses to iterate, a head beyond the table) puts the
 //! device in `DEVICE_NEEDS_RESET`, and it serves nothing more until reset.
 //! Files: `queue.rs` (serving the ring), `request.rs` and `chain.rs`
-//! (parsing), `execute.rs` (doing it), `event.rs` (device thread),
+//! (parsing), `execute.rs` (doing it), `uring.rs` and `inflight.rs` (the io_uring engine: [`IoEngine`]),
+//! `event.rs` (device thread),
 //! `throttle.rs` (the throttle seam and its timer), `control.rs` (live
 //! limits and groups), `stats.rs` (the counters the device publishes in
 //! [`DiskCounters`], read by the API without the device's lock). Processing yields after [`BUDGET`] requests so
@@ -27,11 +28,13 @@ pub mod chain;
 mod control;
 mod event;
 mod execute;
+mod inflight;
 mod queue;
 pub mod request;
 pub mod spec;
 mod stats;
 pub mod throttle;
+pub mod uring;
 
 use std::sync::Arc;
 
@@ -42,7 +45,7 @@ use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 pub use backend::{DiskError, DiskFile, SECTOR_SIZE};
 pub use queue::POLL_NS;
 pub use request::{Malformed, ParseError, Request, RequestType, Segment};
-pub use spec::{DiskSpec, DiskSpecError};
+pub use spec::{DiskSpec, DiskSpecError, IoEngine};
 pub use stats::{BlockStats, BlockStatsSnapshot, DiskCounters};
 pub use throttle::{RequestThrottle, ThrottleTimer};
 
@@ -90,12 +93,15 @@ pub const MAX_DISCARD_SEG: u32 = 32;
 /// Length of the config space we expose (through `write_zeroes_may_unmap`).
 const CONFIG_LEN: usize = 60;
 const TIMER_TOKEN: u32 = u32::MAX;
+const RING_TOKEN: u32 = u32::MAX - 1;
 
 /// Options of a disk.
 #[derive(Clone, Debug, Default)]
 pub struct BlockOptions {
     /// Serial returned by `GET_ID` (truncated to 20 bytes).
     pub serial: String,
+    /// I/O engine; `None`: [`IoEngine::auto`].
+    pub engine: Option<IoEngine>,
 }
 
 /// A request waiting for the throttle.
@@ -120,6 +126,10 @@ struct Engine {
     acked: u64,
     stats: Arc<BlockStats>,
     log: Arc<GuestLog>,
+    /// The io_uring engine's ring (`None`: the sync engine).
+    uring: Option<uring::Uring>,
+    /// Scratch list of reaped completions.
+    done: Vec<uring::Done>,
 }
 
 /// A virtio-blk device.
@@ -142,6 +152,7 @@ impl std::fmt::Debug for Block {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Block")
             .field("disk", &self.engine.disk)
+            .field("engine", &self.engine())
             .field("active", &self.active.is_some())
             .finish_non_exhaustive()
     }
@@ -156,6 +167,9 @@ pub enum BlockError {
     /// Creating an eventfd or timerfd failed.
     #[error("cannot create block device fds: {0}")]
     Fd(#[source] std::io::Error),
+    /// `engine=uring` was asked for and the ring cannot be set up.
+    #[error("cannot set up io_uring for the disk (use engine=sync): {0}")]
+    Uring(#[source] std::io::Error),
 }
 
 impl Block {
@@ -164,6 +178,7 @@ impl Block {
         let disk = DiskFile::open(&spec.path, spec.read_only, spec.direct)?;
         let opts = BlockOptions {
             serial: spec.id.clone().unwrap_or_default(),
+            engine: spec.engine,
         };
         let mut b = Self::new(disk, opts)?;
         if let Some(id) = &spec.id {
@@ -204,6 +219,17 @@ impl Block {
         put(52, &MAX_DISCARD_SEG.to_le_bytes());
         put(56, &[1]); // write_zeroes_may_unmap
 
+        let uring = match opts.engine.unwrap_or_else(IoEngine::auto) {
+            IoEngine::Sync => None,
+            IoEngine::Uring => match uring::Uring::new() {
+                Ok(u) => Some(u),
+                Err(e) if opts.engine.is_some() => return Err(BlockError::Uring(e)),
+                Err(e) => {
+                    tracing::info!("virtio-blk: io_uring set-up failed ({e}); sync engine");
+                    None
+                }
+            },
+        };
         let stats = Arc::new(BlockStats::default());
         Ok(Self {
             counters: Arc::new(DiskCounters::new(stats.clone())),
@@ -213,6 +239,8 @@ impl Block {
                 acked: 0,
                 stats,
                 log: Arc::new(GuestLog::new("virtio-blk")),
+                uring,
+                done: Vec::new(),
             },
             avail_features,
             config,
@@ -242,6 +270,15 @@ impl Block {
     /// resets it (`DEVICE_NEEDS_RESET`).
     pub fn needs_reset(&self) -> bool {
         self.active.as_ref().is_some_and(|a| a.broken)
+    }
+
+    /// The engine serving this disk.
+    pub fn engine(&self) -> IoEngine {
+        if self.engine.uring.is_some() {
+            IoEngine::Uring
+        } else {
+            IoEngine::Sync
+        }
     }
 
     /// Counters of this disk.
@@ -313,6 +350,9 @@ impl VirtioDevice for Block {
     }
 
     fn reset(&mut self) {
+        // Nothing in flight may complete into the memory or the used ring
+        // of the queue being reset.
+        self.drain_io();
         if let Some(a) = self.active.take()
             && a.waiting.is_some()
             && let Some(g) = self.throttle.as_mut()
@@ -333,3 +373,5 @@ mod tests;
 mod tests_control;
 #[cfg(test)]
 mod tests_hostile;
+#[cfg(test)]
+mod tests_uring;

@@ -22,11 +22,22 @@ impl Block {
     /// available ring, until it is empty, the throttle says wait, or the budget
     /// is spent (then the queue's eventfd is re-signalled to come back).
     pub fn process_queue(&mut self) {
+        let used = self.serve();
+        // The io_uring engine: one submit for the pass, and what completed
+        // inline goes into the used ring with the rest.
+        let reaped = self.submit_and_reap();
+        if used || reaped {
+            self.notify_used();
+        }
+    }
+
+    /// One pass over the queue; true if the used ring may have changed.
+    fn serve(&mut self) -> bool {
         let Some(act) = self.active.as_mut() else {
-            return;
+            return false;
         };
         if act.broken || !act.queue.ready() {
-            return;
+            return false;
         }
         let mut used_any = false;
         let now = if self.throttle.is_some() {
@@ -42,15 +53,16 @@ impl Block {
                 Some(until) => {
                     act.waiting = Some(w);
                     arm(&self.timer, until);
-                    return;
+                    return false;
                 }
                 None => {
                     if let Some(g) = self.throttle.as_mut() {
                         g.note_dequeued();
                     }
-                    self.engine
-                        .complete(act, self.throttle.as_deref_mut(), &w.req, w.taken_at);
-                    used_any = true;
+                    // False: submitted to io_uring (reaped after the pass).
+                    used_any |=
+                        self.engine
+                            .complete(act, self.throttle.as_deref_mut(), &w.req, w.taken_at);
                 }
             }
         }
@@ -58,7 +70,7 @@ impl Block {
         let mut budget = BUDGET;
         'outer: loop {
             if !ring_sane(act, &self.engine) || !notifications_off(act, &self.engine) {
-                return;
+                return false;
             }
             loop {
                 let head = match pop_head(act) {
@@ -66,7 +78,7 @@ impl Block {
                     Ok(None) => break,
                     Err(e) => {
                         break_ring(act, &self.engine, format_args!("cannot read the ring: {e}"));
-                        return;
+                        return false;
                     }
                 };
                 budget -= 1;
@@ -86,7 +98,7 @@ impl Block {
                         self.engine.malformed(act, m);
                         used_any = true;
                         if act.broken {
-                            return;
+                            return false;
                         }
                         if budget == 0 {
                             break 'outer;
@@ -106,11 +118,11 @@ impl Block {
                     arm(&self.timer, until);
                     break 'outer;
                 }
-                self.engine
+                used_any |= self
+                    .engine
                     .complete(act, self.throttle.as_deref_mut(), &req, taken_at);
-                used_any = true;
                 if act.broken {
-                    return;
+                    return false;
                 }
                 if budget == 0 {
                     break 'outer;
@@ -119,31 +131,40 @@ impl Block {
             match notifications_on(act, &self.engine) {
                 Some(true) => continue,
                 Some(false) => break,
-                None => return,
+                None => return false,
             }
         }
-        if used_any {
-            // Without EVENT_IDX, virtio-queue does not look at the driver's
-            // VRING_AVAIL_F_NO_INTERRUPT flag; the spec says the device
-            // should not interrupt then (a polling driver asked for none, and
-            // each needless interrupt kicks its vCPU out of the guest).
-            // The fence orders the used->idx store before the flag load: a
-            // driver that clears the flag, fences and re-reads used->idx
-            // before it sleeps (the probe's probe.wait=irq) is then either
-            // seen here or sees the new index; without it the load could
-            // pass the store and the interrupt be lost (virtio 1.2, 2.7.10).
-            std::sync::atomic::fence(Ordering::SeqCst);
-            let suppressed = !act.event_idx && avail_no_interrupt(&act.mem, act.queue.avail_ring());
-            if !suppressed {
-                match act.queue.needs_notification(&act.mem) {
-                    Ok(true) => act.interrupt.trigger(int::VRING),
-                    Ok(false) => {}
-                    Err(e) => break_ring(
-                        act,
-                        &self.engine,
-                        format_args!("cannot read used_event: {e}"),
-                    ),
-                }
+        used_any
+    }
+
+    /// Interrupts the guest for new used entries, unless it asked not to be.
+    pub(super) fn notify_used(&mut self) {
+        let Some(act) = self.active.as_mut() else {
+            return;
+        };
+        if act.broken {
+            return;
+        }
+        // Without EVENT_IDX, virtio-queue does not look at the driver's
+        // VRING_AVAIL_F_NO_INTERRUPT flag; the spec says the device
+        // should not interrupt then (a polling driver asked for none, and
+        // each needless interrupt kicks its vCPU out of the guest).
+        // The fence orders the used->idx store before the flag load: a
+        // driver that clears the flag, fences and re-reads used->idx
+        // before it sleeps (the probe's probe.wait=irq) is then either
+        // seen here or sees the new index; without it the load could
+        // pass the store and the interrupt be lost (virtio 1.2, 2.7.10).
+        std::sync::atomic::fence(Ordering::SeqCst);
+        let suppressed = !act.event_idx && avail_no_interrupt(&act.mem, act.queue.avail_ring());
+        if !suppressed {
+            match act.queue.needs_notification(&act.mem) {
+                Ok(true) => act.interrupt.trigger(int::VRING),
+                Ok(false) => {}
+                Err(e) => break_ring(
+                    act,
+                    &self.engine,
+                    format_args!("cannot read used_event: {e}"),
+                ),
             }
         }
     }
@@ -177,6 +198,16 @@ impl Block {
             let seen = Wrapping(act.queue.next_avail());
             let deadline = monotonic_ns().saturating_add(poll);
             let more = loop {
+                // io_uring completions end the spin too: they are served
+                // (and the guest told) by the next pass.
+                if self
+                    .engine
+                    .uring
+                    .as_mut()
+                    .is_some_and(|u| u.has_completions())
+                {
+                    break true;
+                }
                 match act.queue.avail_idx(&act.mem, Ordering::Acquire) {
                     Ok(idx) if idx != seen => break true,
                     Ok(_) => {}

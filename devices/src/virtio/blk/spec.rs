@@ -1,4 +1,5 @@
-//! The `--disk` argument: `PATH[,readonly][,direct][,id=NAME][,key=value...]`,
+//! The `--disk` argument:
+//! `PATH[,readonly][,direct][,id=NAME][,engine=sync|uring][,key=value...]`,
 //! the one grammar of `corral run --disk` and `corral vm create --disk`.
 
 use std::path::PathBuf;
@@ -19,6 +20,9 @@ pub struct DiskSpec {
     pub direct: bool,
     /// Name of the disk (`id=`), also its serial number.
     pub id: Option<String>,
+    /// I/O engine (`engine=sync|uring`); `None`: io_uring where the kernel
+    /// supports it, else sync ([`IoEngine::auto`]).
+    pub engine: Option<IoEngine>,
     /// The disk's throttle limits (`bps=`, `iops=`, ...: the keys and values
     /// of [`Limits::parse_kv`]), validated.
     pub limits: Limits,
@@ -47,6 +51,9 @@ pub enum DiskSpecError {
     /// The same key twice.
     #[error("option `{0}` given twice")]
     Duplicate(String),
+    /// `engine=` something other than `sync` or `uring`.
+    #[error("unknown disk engine `{0}` (known: sync, uring)")]
+    BadEngine(String),
     /// An id with characters outside `[A-Za-z0-9._-]` or too long.
     #[error("disk id `{0}` must be 1 to 20 characters of [A-Za-z0-9._-]")]
     BadId(String),
@@ -75,6 +82,7 @@ impl DiskSpec {
             read_only: false,
             direct: false,
             id: None,
+            engine: None,
             limits: Limits::default(),
         };
         let mut seen: Vec<String> = Vec::new();
@@ -108,6 +116,12 @@ impl DiskSpec {
                     }
                     spec.id = Some(v.to_string());
                 }
+                ("engine", Some(v)) => {
+                    let e = v
+                        .parse()
+                        .map_err(|_| DiskSpecError::BadEngine(v.to_string()))?;
+                    spec.engine = Some(e);
+                }
                 (k, Some(v)) => {
                     if !spec.limits.parse_kv(k, v)? {
                         return Err(DiskSpecError::UnknownKey(k.to_string()));
@@ -117,6 +131,54 @@ impl DiskSpec {
         }
         spec.limits.validate()?;
         Ok(spec)
+    }
+}
+
+/// How a disk's reads, writes and flushes are executed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum IoEngine {
+    /// One `preadv`/`pwritev`/`fdatasync` at a time on the device thread.
+    Sync,
+    /// io_uring: many requests in flight, completions on the device
+    /// thread's event loop (see `uring.rs`).
+    Uring,
+}
+
+impl IoEngine {
+    /// The default: [`IoEngine::Uring`] if the kernel can set a ring up and
+    /// supports the opcodes the engine needs (probed once per process),
+    /// else [`IoEngine::Sync`].
+    pub fn auto() -> Self {
+        if super::uring::supported() {
+            Self::Uring
+        } else {
+            Self::Sync
+        }
+    }
+
+    /// `sync` or `uring`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Sync => "sync",
+            Self::Uring => "uring",
+        }
+    }
+}
+
+impl std::fmt::Display for IoEngine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for IoEngine {
+    type Err = DiskSpecError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "sync" => Ok(Self::Sync),
+            "uring" => Ok(Self::Uring),
+            _ => Err(DiskSpecError::BadEngine(s.to_string())),
+        }
     }
 }
 
@@ -141,6 +203,10 @@ mod tests {
         let d: DiskSpec = "disk.img".parse().unwrap();
         assert!(!d.read_only && !d.direct && d.id.is_none() && d.limits.is_unlimited());
         assert!(DiskSpec::parse("x,ro").unwrap().read_only);
+        assert_eq!(d.engine, None);
+        let e = |s| DiskSpec::parse(s).unwrap().engine;
+        assert_eq!(e("x,engine=sync"), Some(IoEngine::Sync));
+        assert_eq!(e("x,direct,engine=uring"), Some(IoEngine::Uring));
     }
 
     #[test]
@@ -168,6 +234,18 @@ mod tests {
             Err(Duplicate("readonly".into()))
         );
         assert_eq!(DiskSpec::parse("a,id=a b"), Err(BadId("a b".into())));
+        assert_eq!(
+            DiskSpec::parse("a,engine=aio"),
+            Err(BadEngine("aio".into()))
+        );
+        assert_eq!(
+            DiskSpec::parse("a,engine"),
+            Err(UnknownFlag("engine".into()))
+        );
+        assert_eq!(
+            DiskSpec::parse("a,engine=sync,engine=uring"),
+            Err(Duplicate("engine".into()))
+        );
         assert_eq!(
             DiskSpec::parse("a,id=012345678901234567890"),
             Err(BadId("012345678901234567890".into()))
