@@ -3,22 +3,24 @@
 //! trusted; it covers the device thread too), and which of its vCPUs are
 //! busy from, in this order:
 //!
-//! 1. the vCPU threads' clocks by host tid (trusted; one syscall per vCPU,
-//!    skipped while the VM is parked and settled, as in one process);
+//! 1. the vCPU threads' run times by host tid (`/proc/<pid>/task/<tid>/schedstat`,
+//!    kept open: one `pread` per vCPU, trusted; skipped while the VM is
+//!    parked and settled, as in one process; thread CPU clocks cannot be
+//!    read across processes);
 //! 2. the per-vCPU figures the VM process publishes in its gate's page
 //!    (untrusted: clamped, and only ever adding to 3.);
 //! 3. the process total: at least as many busy vCPUs as whole ticks of CPU
 //!    it used.
 //!
 //! Measured (BENCHMARKS.md, "Cross-process gate"): a publisher thread
-//! waking every tick costs the VM process ~40 µs per tick on this host,
-//! more than 50× the daemon's 0.7 µs for four thread clocks, so 1. is the
-//! default and 2. serves a VM process whose host tids the daemon lacks.
+//! waking every tick costs the VM process 29–43 µs per tick on this host,
+//! far more than the daemon's reads of 1., so 1. is the default and 2.
+//! serves a VM process whose host tids the daemon lacks.
 
 use corral_scheduler::{CpuClamp, Gate};
 
 use super::{BUSY_FRACTION, note_run};
-use crate::vmgate::process_cpu_ns;
+use crate::vmgate::{ThreadRunTime, process_cpu_ns};
 
 /// A publication older than this many ticks is not used: the runnable
 /// count then comes from the process total.
@@ -26,9 +28,9 @@ const STALE_TICKS: u8 = 3;
 
 pub(super) struct ProcSource {
     pid: libc::pid_t,
-    /// Host tids of the vCPU threads (may be empty).
-    tids: Vec<libc::pid_t>,
-    /// Their clocks at the last read.
+    /// The vCPU threads' run-time files (may be empty).
+    tids: Vec<ThreadRunTime>,
+    /// Their run times at the last read.
     tid_last: Vec<u64>,
     clamp: CpuClamp,
     /// Clamped figures of the previous tick.
@@ -56,10 +58,13 @@ impl ProcSource {
         vcpus: usize,
         now_ns: u64,
     ) -> Self {
-        let tid_last = tids
+        // A tid whose file cannot be opened (not a thread of `pid`) is
+        // dropped; with none left, the page or the total count.
+        let tids: Vec<ThreadRunTime> = tids
             .iter()
-            .map(|t| super::thread_cpu_ns(*t).unwrap_or(0))
+            .filter_map(|t| ThreadRunTime::open(pid, *t).ok())
             .collect();
+        let tid_last = tids.iter().map(|t| t.read_ns().unwrap_or(0)).collect();
         let mut buf = vec![0; vcpus];
         let (n, seq) = gate.read_cpu(&mut buf);
         let start: Vec<u64> = buf.iter().take(n).copied().collect();
@@ -122,14 +127,20 @@ impl ProcSource {
                 helpers: u32::from(used.saturating_mul(BUSY_FRACTION) >= tick_ns),
             };
         }
-        if !self.tids.is_empty() {
+        if !self.tids.is_empty() && used == 0 {
+            // The process ran no thread since the last sample: no vCPU ran
+            // and their run times are as last read (no syscall).
+            for i in idle.iter_mut().take(self.tids.len()) {
+                busy += u32::from(note_run(i, 0, tick_ns));
+            }
+        } else if !self.tids.is_empty() {
             for ((t, last), i) in self
                 .tids
                 .iter()
                 .zip(&mut self.tid_last)
                 .zip(idle.iter_mut())
             {
-                let Some(ns) = super::thread_cpu_ns(*t) else {
+                let Some(ns) = t.read_ns() else {
                     continue; // thread gone: the VM is stopping
                 };
                 let ran = ns.saturating_sub(*last);

@@ -312,3 +312,33 @@ fn a_vm_process_page_cannot_fake_what_the_kernel_counts() {
         }
     }
 }
+
+/// The vCPU run times of a VM process come from schedstat by host tid
+/// (thread clocks do not reach another process): a spinning one counts as
+/// runnable, with no page published at all.
+#[test]
+fn a_vm_process_busy_vcpu_is_seen_by_host_tid() {
+    use corral_scheduler::model::{Capacity, ClassSpec, VmSpec};
+    use corral_scheduler::{PolicyConfig, Scheduler};
+    let mut sched = Scheduler::new(Capacity::from_cpus(2), PolicyConfig::default()).unwrap();
+    sched.create_class("c", ClassSpec::new(100)).unwrap();
+    sched.add_vm(VmId(1), VmSpec::new("c", 2)).unwrap();
+    let cpu = CpuScheduler::new(Arc::new(Mutex::new(sched)));
+    let (gate, _fd) = Gate::new_shared().unwrap();
+    let mut child = std::process::Command::new("sh")
+        .args(["-c", "while :; do :; done"])
+        .spawn()
+        .unwrap();
+    let pid = child.id() as libc::pid_t;
+    // Two "vCPUs": the spinning thread, and a tid that is not the VM's.
+    cpu.attach_process(VmId(1), gate, pid, 2, vec![pid, 1]);
+    let mut seen = 0;
+    for _ in 0..20 {
+        std::thread::sleep(Duration::from_millis(10));
+        cpu.tick(10_000_000);
+        seen = seen.max(cpu.with(|s| s.stats()).vms[0].runnable_vcpus);
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    assert_eq!(seen, 1, "one spinning vCPU thread");
+}

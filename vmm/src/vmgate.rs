@@ -92,6 +92,34 @@ pub fn process_cpu_ns(pid: libc::pid_t) -> Option<u64> {
     (r == 0).then(|| ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64)
 }
 
+/// The run time of one thread of another process, in ns, read from
+/// `/proc/<pid>/task/<tid>/schedstat` (its first field, the scheduler's
+/// `sum_exec_runtime`; guest time included). Thread CPU clocks
+/// (`clock_gettime` by tid) work only within the caller's own thread group,
+/// so the daemon cannot use them on a VM process's vCPU threads. The file
+/// stays open: one `pread` per reading. Kept by the kernel, so trusted.
+#[derive(Debug)]
+pub struct ThreadRunTime {
+    file: std::fs::File,
+}
+
+impl ThreadRunTime {
+    /// Opens the schedstat file of thread `tid` of process `pid`.
+    pub fn open(pid: libc::pid_t, tid: libc::pid_t) -> std::io::Result<Self> {
+        let file = std::fs::File::open(format!("/proc/{pid}/task/{tid}/schedstat"))?;
+        Ok(Self { file })
+    }
+
+    /// The thread's run time so far, ns (`None` once it is gone).
+    pub fn read_ns(&self) -> Option<u64> {
+        use std::os::unix::fs::FileExt;
+        let mut buf = [0u8; 96];
+        let n = self.file.read_at(&mut buf, 0).ok()?;
+        let text = std::str::from_utf8(buf.get(..n)?).ok()?;
+        text.split_ascii_whitespace().next()?.parse().ok()
+    }
+}
+
 /// VM process side: a thread that publishes the CPU time of the vCPU
 /// threads `tids` (this process's own tids) in `gate` every `period`, until
 /// the gate is shut down. The daemon then reads the page instead of one
@@ -161,6 +189,30 @@ mod tests {
         assert!(out[0] > 0 && out[1] > 0);
         gate.shutdown();
         p.join().unwrap();
+    }
+
+    #[test]
+    fn schedstat_follows_a_thread_of_another_process() {
+        let mut child = std::process::Command::new("sh")
+            .args(["-c", "while :; do :; done"])
+            .spawn()
+            .unwrap();
+        let pid = child.id() as libc::pid_t;
+        assert_eq!(
+            crate::cpusched::thread_cpu_ns(pid),
+            None,
+            "thread clocks stay in-process"
+        );
+        let t = ThreadRunTime::open(pid, pid).unwrap();
+        let a = t.read_ns().unwrap();
+        let t0 = std::time::Instant::now();
+        while t.read_ns().unwrap() < a + 5_000_000 {
+            assert!(t0.elapsed() < Duration::from_secs(10), "no run time");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+        assert!(ThreadRunTime::open(pid, pid).is_err() || t.read_ns().is_none());
     }
 
     #[test]

@@ -240,6 +240,9 @@ fn scheduler(r: &mut Rules) {
         vec![rule(vec![cond(2, Len::Dword, Op::MaskedEq(ro_mask), 0)])],
     );
     allow(r, &[libc::SYS_read]);
+    // A VM process's vCPU run times: /proc/<pid>/task/<tid>/schedstat,
+    // opened at attach and re-read in place (vmgate::ThreadRunTime).
+    allow(r, &[libc::SYS_pread64]);
 }
 
 /// The runtime threads create the other kinds, whose filters stack on the
