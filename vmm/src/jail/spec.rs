@@ -133,10 +133,11 @@ pub struct JailLimits {
 /// Address space a VM process needs beyond guest RAM. Measured (`corral
 /// run`, probe `spin`, 128 MiB): VmSize = guest + 155 MiB with 1 vCPU
 /// (peak + 213 MiB: code, glibc's malloc arenas of 64 MiB reserved each,
-/// thread stacks), + 64 MiB per further vCPU. `corral vmm` has about five
-/// more threads (control, console, accept, ...), each of which may reserve
-/// an arena: 155 + 5 x 64 = 475 MiB; 1 GiB leaves twice that. The limit is
-/// there against a runaway (a guest-driven allocation), not to be tight.
+/// thread stacks), + 64 MiB per further vCPU. A jailed `corral vmm` of
+/// `corral serve` (128 MiB, 2 vCPUs, its control and console threads):
+/// VmSize guest + 415 MiB, peak + 479 MiB. 1 GiB leaves twice that; the
+/// limit is there against a runaway (a guest-driven allocation), not to
+/// be tight.
 pub const AS_MARGIN: u64 = 1 << 30;
 /// Address space per vCPU thread: its malloc arena (64 MiB reserved), its
 /// stack (2 MiB) and its `kvm_run` mapping, rounded up.
