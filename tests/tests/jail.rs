@@ -336,6 +336,15 @@ fn jailed_vm_process_holds_only_its_files_and_no_privilege_and_still_boots() {
         "{r}"
     );
     assert!(out.contains("BOOT-EXIT guest shut down"), "{out}");
+    // The disks' io_uring engine works jailed too, where the host allows it.
+    let engines = out
+        .lines()
+        .find_map(|l| l.strip_prefix("VM-ENGINES "))
+        .unwrap_or_else(|| panic!("no engines:\n{out}"));
+    if std::fs::read_to_string("/proc/sys/kernel/io_uring_disabled").is_ok_and(|v| v.trim() == "0")
+    {
+        assert_eq!(engines, "Uring,Uring");
+    }
     // The guest's writes reached the host's file.
     let written = std::fs::read(dir.join("rw.img")).unwrap();
     assert!(written[..1 << 20].iter().any(|&b| b != 0));

@@ -239,6 +239,12 @@ fn boot_probe(jailed: jail::Jailed, cfg: &VmConfig) {
         .map(|t| t.to_string())
         .collect();
     println!("VM-TIDS {}", tids.join(","));
+    let engines: Vec<String> = vm
+        .disks()
+        .iter()
+        .map(|d| format!("{:?}", d.engine))
+        .collect();
+    println!("VM-ENGINES {}", engines.join(","));
     let console = vm.console();
     let deadline = Instant::now() + Duration::from_secs(30);
     let mut out = Vec::new();
