@@ -405,6 +405,11 @@ impl From<VmInfo> for Vm {
                     message: e.to_string(),
                     vcpu,
                 },
+                ExitReason::ProcessGone { .. } => VmExit {
+                    reason: "vm_process".into(),
+                    message: e.to_string(),
+                    vcpu: None,
+                },
             }),
             class: v.class,
             weight: v.weight,

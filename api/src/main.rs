@@ -161,6 +161,15 @@ fn main() -> ExitCode {
             .init(),
     }
     let mut argv = std::env::args_os();
+    // The daemon's internal commands: parsed by hand, without the command
+    // tree (a VM process's start-up time and RSS are benchmark targets).
+    match std::env::args_os().nth(1) {
+        Some(a) if a == "vmm" => return vmm_process(),
+        Some(a) if a == "vmm-launcher" => {
+            return ExitCode::from(corral_vmm::vmproc::launcher::launcher_main().clamp(0, 255) as u8);
+        }
+        _ => {}
+    }
     if std::env::args_os().nth(1).is_some_and(|a| a == "run") {
         let _ = argv.next();
         let _ = argv.next();
@@ -256,6 +265,33 @@ fn main() -> ExitCode {
                 // The status of a command ended by SIGINT, as shells report it.
                 Err(None) => ExitCode::from(130),
             }
+        }
+    }
+}
+
+/// `corral vmm --fd N [--name NAME]`: one VM in this process, configured
+/// and controlled by the daemon over the inherited socket `N` (internal:
+/// `corral serve` starts it; see ARCHITECTURE.md, "VM processes").
+fn vmm_process() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(2).collect();
+    let fd = args
+        .iter()
+        .position(|a| a == "--fd")
+        .and_then(|i| args.get(i + 1))
+        .and_then(|v| v.parse::<i32>().ok())
+        .filter(|&fd| fd > 2);
+    let Some(fd) = fd else {
+        eprintln!("corral vmm: internal command of `corral serve`; usage: corral vmm --fd N");
+        return ExitCode::from(2);
+    };
+    // SAFETY: the launcher set up fd `fd` for this process as its socket to
+    // the daemon; nothing else in this process owns it.
+    let sock = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+    match corral_vmm::vmproc::server::run(sock, Arc::<[u8]>::from(PROBE_ELF)) {
+        Ok(code) => ExitCode::from(code.clamp(0, 255) as u8),
+        Err(e) => {
+            eprintln!("corral vmm: {e}");
+            ExitCode::from(1)
         }
     }
 }

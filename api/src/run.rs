@@ -112,7 +112,9 @@ pub fn run(a: RunArgs) -> ExitCode {
             eprintln!("corral: VM stopped before the guest shut down");
             ExitCode::from(1)
         }
-        r @ (ExitReason::Fatal { .. } | ExitReason::ThreadFault { .. }) => {
+        r @ (ExitReason::Fatal { .. }
+        | ExitReason::ThreadFault { .. }
+        | ExitReason::ProcessGone { .. }) => {
             eprintln!("corral: VM failed: {r}");
             ExitCode::from(1)
         }

@@ -430,6 +430,27 @@ pub struct HostFile {
 }
 
 impl HostFile {
+    /// A file opened, checked and locked by another process (the daemon)
+    /// and passed to this one (a VM process): its lock is the open file's,
+    /// shared with the sender.
+    pub fn from_passed(file: File, path: PathBuf) -> std::io::Result<Self> {
+        let meta = file.metadata()?;
+        let block = meta.file_type().is_block_device();
+        if !block && !meta.file_type().is_file() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!("{}: a passed file must be regular or a block device", path.display()),
+            ));
+        }
+        Ok(HostFile {
+            file: Arc::new(file),
+            path,
+            key: (meta.dev(), meta.ino()),
+            len: meta.len(),
+            block,
+        })
+    }
+
     /// The open file.
     pub fn file(&self) -> &File {
         &self.file

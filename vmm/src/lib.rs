@@ -34,6 +34,7 @@ pub mod vcpu;
 pub mod vm;
 pub mod vmgate;
 mod vmthread;
+pub mod vmproc;
 
 pub use builder::{start, start_with_kvm};
 pub use handle::VmHandle;

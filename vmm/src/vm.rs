@@ -171,7 +171,8 @@ impl VmConfig {
 }
 
 /// Why a VM stopped.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum ExitReason {
     /// The guest shut down or reset itself (i8042 reset, ACPI S5, KVM system event).
     GuestShutdown,
@@ -201,10 +202,19 @@ pub enum ExitReason {
         /// What happened.
         fault: ThreadFault,
     },
+    /// The VM's process (`corral vmm`) ended without reporting how the VM
+    /// ended: killed, or crashed.
+    ProcessGone {
+        /// Its pid.
+        pid: u32,
+        /// How it ended, if known (`killed by signal 9`).
+        how: String,
+    },
 }
 
 /// How a VM's thread failed.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum ThreadFault {
     /// It panicked (the message).
     Panic(String),
@@ -249,6 +259,9 @@ impl std::fmt::Display for ExitReason {
                     ),
                     ThreadFault::Setup(msg) => write!(f, "{thread} ({kind} thread): {msg}"),
                 }
+            }
+            Self::ProcessGone { pid, how } => {
+                write!(f, "the VM's process (pid {pid}) ended without the VM stopping: {how}")
             }
         }
     }

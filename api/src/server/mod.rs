@@ -81,6 +81,12 @@ pub struct ServeArgs {
     /// a VM's thread that breaks its filter fails that VM only.
     #[arg(long)]
     pub no_seccomp: bool,
+    /// Where VMs run: `process` (each in a `corral vmm` process of its
+    /// own, supervised by the daemon) or `thread` (threads of the daemon;
+    /// class I/O groups are shared by the disks of every VM of a class only
+    /// here). The `cgroup` CPU backend runs VMs as threads.
+    #[arg(long, default_value = "process", value_parser = ["process", "thread"])]
+    pub vm_mode: String,
     /// Start again the VMs of the state file that were running (created
     /// or started and not stopped) when the daemon last ran. Off: every VM
     /// is reloaded stopped and `start` runs it.
@@ -258,6 +264,21 @@ pub fn serve(args: ServeArgs, builtin: Arc<[u8]>) -> Result<(), ServeError> {
         cpu_backend: args.cpu_backend,
         state_dir: Some(args.api.state_dir.clone()),
         ..Default::default()
+    };
+    // The launcher of VM processes before any filter: it execs `corral vmm`.
+    let vm_processes = if args.vm_mode == "process" {
+        let exe = std::env::current_exe().map_err(io("finding the corral binary"))?;
+        Some(corral_vmm::manager::VmProcesses {
+            launcher: corral_vmm::vmproc::launcher::Launcher::start(&exe)
+                .map_err(io("starting the VM process launcher"))?,
+            seccomp: !args.no_seccomp,
+        })
+    } else {
+        None
+    };
+    let cfg = corral_vmm::manager::ManagerConfig {
+        vm_processes,
+        ..cfg
     };
     // The runtime filter on the main thread before any other thread exists:
     // the scheduler thread, tokio's workers and blocking pool inherit it

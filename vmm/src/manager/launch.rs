@@ -4,6 +4,8 @@
 //! the CPU backend (the gate scheduler or a cgroup).
 
 use super::*;
+use crate::hostfile::HostFile;
+use crate::vmproc::remote::RemoteVm;
 
 impl Manager {
     pub(super) fn launch(
@@ -13,7 +15,7 @@ impl Manager {
         req: &VmRequest,
         class_group: Option<ThrottleGroup>,
         files: &crate::images::VmFiles,
-    ) -> Result<(VmHandle, String), ManagerError> {
+    ) -> Result<(VmRun, String), ManagerError> {
         let vcpus = u8::try_from(req.vcpus)
             .map_err(|_| ManagerError::Invalid(format!("too many vCPUs: {}", req.vcpus)))?;
         if req.kernel.is_none() && self.cfg.builtin_kernel.is_none() {
@@ -50,7 +52,7 @@ impl Manager {
         class_group: Option<ThrottleGroup>,
         files: &crate::images::VmFiles,
         vcpus: u8,
-    ) -> Result<(VmHandle, String), ManagerError> {
+    ) -> Result<(VmRun, String), ManagerError> {
         let (kernel, default_cmdline) = match (&files.kernel, &self.cfg.builtin_kernel) {
             (Some(f), _) => (KernelSource::File(f.clone()), DEFAULT_LINUX_CMDLINE),
             (None, Some(b)) => (KernelSource::Bytes(b.clone()), ""),
@@ -89,10 +91,21 @@ impl Manager {
             })
             .collect();
         let gate = Arc::new(Gate::new());
-        if self.cfg.cpu_backend == CpuBackend::Gate {
-            cfg.sched_gate = Some(gate.clone());
-        }
-        let handle = crate::builder::start(&cfg)?;
+        let handle = match &self.cfg.vm_processes {
+            Some(p) if self.cfg.cpu_backend != CpuBackend::Cgroup => {
+                let vm = self.start_process(p, &cfg, files)?;
+                if self.cfg.cpu_backend == CpuBackend::Gate {
+                    vm.relay_gate(gate.clone());
+                }
+                VmRun::Remote(vm)
+            }
+            _ => {
+                if self.cfg.cpu_backend == CpuBackend::Gate {
+                    cfg.sched_gate = Some(gate.clone());
+                }
+                VmRun::Local(crate::builder::start(&cfg)?)
+            }
+        };
         match self.cfg.cpu_backend {
             CpuBackend::Gate => self.cpu.attach(
                 id,
@@ -126,4 +139,74 @@ impl Manager {
         );
         Ok((handle, cfg.cmdline))
     }
+
+    /// Starts `cfg` in a VM process of its own: the files the daemon opened
+    /// (and locked) are passed as fds, the rest as the configuration
+    /// message. The daemon keeps its own handles of the files (the image
+    /// book releases their locks when the VM is released).
+    fn start_process(
+        &self,
+        p: &VmProcesses,
+        cfg: &VmConfig,
+        files: &crate::images::VmFiles,
+    ) -> Result<Arc<RemoteVm>, ManagerError> {
+        use crate::vmproc::proto::{DiskSpec, PassedFile, VmSpec};
+        use std::os::fd::AsFd;
+        let mut fds = Vec::new();
+        let mut keep = Vec::new();
+        let mut pass = |f: &HostFile| {
+            fds.push(f.clone());
+            keep.push(f.clone());
+            PassedFile {
+                fd: fds.len() - 1,
+                path: f.path().to_path_buf(),
+            }
+        };
+        let kernel = files.kernel.as_ref().map(&mut pass);
+        let initrd = files.initrd.as_ref().map(&mut pass);
+        let mut disks = Vec::new();
+        for (d, f) in cfg.disks.iter().zip(&files.disks) {
+            disks.push(DiskSpec {
+                id: d.id.clone().unwrap_or_default(),
+                file: pass(f),
+                read_only: d.read_only,
+                direct: d.direct,
+                limits: d.limits.into(),
+                group: d.group.as_ref().map(|(g, w)| crate::vmproc::proto::GroupSpec {
+                    name: g.name().to_string(),
+                    limits: g.limits().into(),
+                    weight: *w,
+                }),
+            });
+        }
+        let spec = VmSpec {
+            name: cfg.name.clone(),
+            nonce: format!("{:016x}", rand_nonce()),
+            vcpus: cfg.vcpus,
+            memory_mib: cfg.memory_mib,
+            cmdline: cfg.cmdline.clone(),
+            console_log_bytes: cfg.console_log_bytes,
+            acpi: cfg.acpi,
+            kernel,
+            initrd,
+            disks,
+            sched_gate: self.cfg.cpu_backend == CpuBackend::Gate,
+            seccomp: p.seccomp,
+            control_socket: None,
+        };
+        let borrowed: Vec<_> = fds.iter().map(|f| f.file().as_fd()).collect();
+        let vm = RemoteVm::start(&p.launcher, spec, &borrowed, keep, false)?;
+        Ok(Arc::new(vm))
+    }
+}
+
+/// A run's identity: 64 random bits.
+fn rand_nonce() -> u64 {
+    let mut b = [0u8; 8];
+    // SAFETY: getrandom writes at most b.len() bytes into b.
+    let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
+    if n != b.len() as isize {
+        return std::process::id() as u64 ^ crate::util::monotonic_ns();
+    }
+    u64::from_le_bytes(b)
 }

@@ -21,12 +21,14 @@ mod io;
 mod launch;
 mod lifecycle;
 mod model;
+mod run;
 pub mod state;
 mod vms;
 
 pub use error::{ErrorKind, ManagerError};
 pub use lifecycle::MAX_SHUTDOWN_TIMEOUT;
 pub use model::*;
+pub use run::{VmProcesses, VmRun};
 
 use io::set_class_group;
 
@@ -45,7 +47,6 @@ use corral_scheduler::{
 
 use crate::cgroup::CgroupBackend;
 use crate::cpusched::CpuScheduler;
-use crate::handle::VmHandle;
 use crate::hostfile::{HostFileError, HostImage, HostPolicy};
 use crate::images::ImageBook;
 use crate::vm::{ExitReason, KernelSource, VmConfig, VmError};
@@ -71,7 +72,7 @@ struct Entry {
     name: String,
     request: VmRequest,
     cmdline: String,
-    handle: VmHandle,
+    handle: VmRun,
     created: SystemTime,
     class: Mutex<String>,
     weight: AtomicU32,
@@ -92,7 +93,7 @@ impl Entry {
         id: VmId,
         name: String,
         cmdline: String,
-        handle: VmHandle,
+        handle: VmRun,
         request: VmRequest,
         reaped: bool,
     ) -> Self {
@@ -132,7 +133,9 @@ impl Entry {
                 let s = match r {
                     ExitReason::GuestShutdown => VmState::Shutdown,
                     ExitReason::Stopped | ExitReason::DaemonRestarted => VmState::Stopped,
-                    ExitReason::Fatal { .. } | ExitReason::ThreadFault { .. } => VmState::Failed,
+                    ExitReason::Fatal { .. }
+                    | ExitReason::ThreadFault { .. }
+                    | ExitReason::ProcessGone { .. } => VmState::Failed,
                 };
                 (s, Some(r))
             }
@@ -210,7 +213,7 @@ pub use crate::cpusched::thread_cpu_ns;
 
 /// The threads whose CPU time is a VM's: its vCPUs and its device thread
 /// (which serves its I/O), for the cgroup backend.
-fn vm_threads(h: &VmHandle) -> Vec<libc::pid_t> {
+fn vm_threads(h: &VmRun) -> Vec<libc::pid_t> {
     let mut t = h.vcpu_tids().to_vec();
     t.extend(h.device_tid());
     t

@@ -162,6 +162,9 @@ pub struct ManagerConfig {
     /// Where classes and VM definitions are persisted (`state.json` in
     /// it); `None` = nowhere (`corral run`, library users).
     pub state_dir: Option<PathBuf>,
+    /// Run each VM in a process of its own (`corral serve`); `None`: as
+    /// threads of this process.
+    pub vm_processes: Option<super::VmProcesses>,
 }
 
 /// How the manager enforces CPU shares, caps and reservations.
@@ -204,6 +207,7 @@ impl Default for ManagerConfig {
             console_log_bytes: 256 * 1024,
             cpu_backend: CpuBackend::Gate,
             state_dir: None,
+            vm_processes: None,
         }
     }
 }

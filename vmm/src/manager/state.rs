@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use super::{
     ClassConfig, ClassInfo, DiskInfo, Entry, Limits, Manager, ManagerError, State, VmInfo,
-    VmRequest, lock, validate_name,
+    VmRequest, VmRun, lock, validate_name,
 };
 use crate::handle::VmHandle;
 use crate::vm::ExitReason;
@@ -466,7 +466,14 @@ impl Manager {
                 let handle = VmHandle::defined(&v.name, ExitReason::DaemonRestarted)?;
                 let cmdline = req.cmdline.clone().unwrap_or_default();
                 let entry =
-                    Entry::new(VmId(st.next_id), v.name.clone(), cmdline, handle, req, true);
+                    Entry::new(
+                        VmId(st.next_id),
+                        v.name.clone(),
+                        cmdline,
+                        VmRun::Local(handle),
+                        req,
+                        true,
+                    );
                 st.next_id += 1;
                 st.vms.insert(v.name.clone(), Arc::new(entry));
             }

@@ -18,10 +18,8 @@ impl Manager {
         let (state, exit) = e.state();
         let running = exit.is_none();
         let mut exits: BTreeMap<&'static str, u64> = BTreeMap::new();
-        for s in e.handle.vcpu_stats() {
-            for (k, v) in s.snapshot() {
-                *exits.entry(k).or_default() += v;
-            }
+        for (k, v) in e.handle.exit_counts() {
+            *exits.entry(k).or_default() += v;
         }
         let sched_cpu_ns = stats
             .and_then(|s| s.vms.iter().find(|v| v.vm == e.id))

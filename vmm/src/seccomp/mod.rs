@@ -37,7 +37,8 @@ use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering};
 use seccompiler::BpfProgram;
 
 /// The kinds of threads, each with its own filter.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 #[repr(u8)]
 pub enum ThreadKind {
     /// A vCPU thread: `KVM_RUN` and the emulation of port I/O and MMIO exits.

@@ -1,0 +1,414 @@
+//! The messages between the daemon and a VM process (`corral vmm`), version
+//! [`PROTOCOL_VERSION`]. Each message is one SOCK_SEQPACKET datagram holding
+//! one JSON object ([`super::wire`]); the configuration message carries the
+//! VM's open files as SCM_RIGHTS.
+//!
+//! The daemon sends [`Hello`] first, then [`ToVm`] requests. The VM process
+//! answers [`FromVm::Started`] (or `StartFailed`), then a `Reply` per
+//! request whose `id` is not 0, and pushes `Console` output and, once,
+//! `Exited`. Unknown fields and unknown versions are refused.
+
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+use crate::vm::ExitReason;
+
+/// The protocol's version; a VM process refuses any other.
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// Largest datagram either side sends or accepts.
+pub const MAX_MESSAGE: usize = 256 * 1024;
+
+/// Largest console chunk in one [`FromVm::Console`].
+pub const CONSOLE_CHUNK: usize = 16 * 1024;
+
+/// The configuration message, the first one on the socket; its files
+/// travel as SCM_RIGHTS, indexed by the `fd` fields.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Hello {
+    /// Must be [`PROTOCOL_VERSION`].
+    pub version: u32,
+    /// The VM.
+    pub vm: VmSpec,
+}
+
+/// One VM, as the daemon configured it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VmSpec {
+    /// Name.
+    pub name: String,
+    /// Identity of this run (stored in the daemon's state, checked when a
+    /// daemon re-adopts the process).
+    pub nonce: String,
+    /// vCPUs.
+    pub vcpus: u8,
+    /// Guest RAM, MiB.
+    pub memory_mib: u64,
+    /// Kernel command line.
+    pub cmdline: String,
+    /// Console bytes kept.
+    pub console_log_bytes: usize,
+    /// ACPI tables.
+    pub acpi: bool,
+    /// Kernel: an index into the passed files, or `None` for the built-in
+    /// guest of the binary.
+    pub kernel: Option<PassedFile>,
+    /// Initrd.
+    pub initrd: Option<PassedFile>,
+    /// Disks, in order.
+    pub disks: Vec<DiskSpec>,
+    /// Give the vCPUs a scheduler gate that [`Request::Park`] and
+    /// [`Request::Unpark`] drive (the daemon's `gate` backend).
+    pub sched_gate: bool,
+    /// Install the seccomp filters.
+    pub seccomp: bool,
+    /// Listen here for a daemon that re-adopts the process (0600).
+    pub control_socket: Option<PathBuf>,
+}
+
+/// A file passed with the configuration.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PassedFile {
+    /// Index in the SCM_RIGHTS list.
+    pub fd: usize,
+    /// The path it was opened at (for messages).
+    pub path: PathBuf,
+}
+
+/// One disk.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DiskSpec {
+    /// Name within the VM.
+    pub id: String,
+    /// Its open file.
+    pub file: PassedFile,
+    /// Read-only.
+    pub read_only: bool,
+    /// O_DIRECT.
+    pub direct: bool,
+    /// Its own limits.
+    pub limits: WireLimits,
+    /// Its throttle group.
+    pub group: Option<GroupSpec>,
+}
+
+/// A throttle group of the VM process, by name, with its limits and the
+/// disk's weight in it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GroupSpec {
+    /// Name (`class:NAME`).
+    pub name: String,
+    /// Limits.
+    pub limits: WireLimits,
+    /// The disk's weight.
+    pub weight: u32,
+}
+
+/// [`corral_blkthrottle::Limits`] on the wire.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+#[allow(missing_docs)]
+pub struct WireLimits {
+    pub bps: Option<u64>,
+    pub rbps: Option<u64>,
+    pub wbps: Option<u64>,
+    pub iops: Option<u64>,
+    pub riops: Option<u64>,
+    pub wiops: Option<u64>,
+    pub burst_bytes: Option<u64>,
+    pub burst_ops: Option<u64>,
+    pub onetime_bytes: Option<u64>,
+    pub onetime_ops: Option<u64>,
+}
+
+impl From<corral_blkthrottle::Limits> for WireLimits {
+    fn from(l: corral_blkthrottle::Limits) -> Self {
+        WireLimits {
+            bps: l.bps,
+            rbps: l.rbps,
+            wbps: l.wbps,
+            iops: l.iops,
+            riops: l.riops,
+            wiops: l.wiops,
+            burst_bytes: l.burst_bytes,
+            burst_ops: l.burst_ops,
+            onetime_bytes: l.onetime_bytes,
+            onetime_ops: l.onetime_ops,
+        }
+    }
+}
+
+impl From<WireLimits> for corral_blkthrottle::Limits {
+    fn from(l: WireLimits) -> Self {
+        corral_blkthrottle::Limits {
+            bps: l.bps,
+            rbps: l.rbps,
+            wbps: l.wbps,
+            iops: l.iops,
+            riops: l.riops,
+            wiops: l.wiops,
+            burst_bytes: l.burst_bytes,
+            burst_ops: l.burst_ops,
+            onetime_bytes: l.onetime_bytes,
+            onetime_ops: l.onetime_ops,
+        }
+    }
+}
+
+/// A request from the daemon. `id` 0: no reply wanted.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ToVm {
+    /// Matches the reply.
+    pub id: u64,
+    /// What.
+    pub req: Request,
+}
+
+/// What the daemon asks.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "snake_case")]
+pub enum Request {
+    /// [`Response::Status`].
+    Status,
+    /// [`Response::Stats`].
+    Stats,
+    /// A disk's own limits, live.
+    SetDiskLimits {
+        /// Disk.
+        disk: String,
+        /// New limits.
+        limits: WireLimits,
+    },
+    /// Moves a disk into a group (created with these limits if the process
+    /// has none of that name) or out of any.
+    SetDiskGroup {
+        /// Disk.
+        disk: String,
+        /// Group.
+        group: Option<GroupSpec>,
+    },
+    /// Changes the limits of the process's group of that name, if any.
+    SetGroupLimits {
+        /// Group.
+        name: String,
+        /// Limits.
+        limits: WireLimits,
+    },
+    /// Pauses the guest ([`Response::Bool`]: it was running).
+    Pause,
+    /// Resumes it ([`Response::Bool`]: it was paused).
+    Resume,
+    /// Parks the scheduler gate (the daemon's `gate` backend).
+    Park,
+    /// Unparks it.
+    Unpark,
+    /// Stops the VM.
+    Stop,
+    /// ACPI power button ([`Response::Bool`]).
+    PowerButton,
+    /// Types on the serial console ([`Response::Count`]: bytes taken).
+    ConsoleInput {
+        /// Bytes.
+        data: Vec<u8>,
+    },
+    /// Sends console output again from this offset (a daemon that
+    /// re-adopts the process).
+    ConsoleFrom {
+        /// Absolute offset.
+        offset: u64,
+    },
+    /// The daemon that sends this supervises the process from now on.
+    Adopt,
+}
+
+/// An answer.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "snake_case")]
+pub enum Response {
+    /// Done.
+    Ok,
+    /// Refused or failed.
+    Error {
+        /// Why.
+        message: String,
+    },
+    /// Yes or no.
+    Bool(bool),
+    /// A count.
+    Count(usize),
+    /// The VM's state.
+    Status(Status),
+    /// Its counters.
+    Stats(Box<Stats>),
+}
+
+/// What a VM process says about itself.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Status {
+    /// VM name.
+    pub name: String,
+    /// Identity of the run.
+    pub nonce: String,
+    /// Process id.
+    pub pid: u32,
+    /// Paused by the host.
+    pub paused: bool,
+    /// The scheduler gate is parked.
+    pub parked: bool,
+    /// No daemon supervises the process: shares are not enforced, the last
+    /// limits hold.
+    pub unsupervised: bool,
+    /// Why it stopped, if it did.
+    pub exit: Option<ExitReason>,
+    /// vCPU thread ids.
+    pub vcpu_tids: Vec<i32>,
+    /// Device thread id.
+    pub device_tid: Option<i32>,
+    /// Seconds since the VM started.
+    pub uptime_secs: f64,
+}
+
+/// Counters of a VM process.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Stats {
+    /// Per disk.
+    pub disks: Vec<WireDisk>,
+    /// vCPU exits by kind, summed.
+    pub exits: Vec<(String, u64)>,
+    /// Guest-caused errors: (device, kind, count).
+    pub guest_errors: Vec<(String, String, u64)>,
+    /// Unclaimed accesses: pio reads, pio writes, mmio reads, mmio writes.
+    pub unknown_accesses: (u64, u64, u64, u64),
+}
+
+/// One disk's status.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+#[allow(missing_docs)]
+pub struct WireDisk {
+    pub name: String,
+    pub path: PathBuf,
+    pub read_only: bool,
+    pub direct: bool,
+    pub capacity_bytes: u64,
+    pub limits: WireLimits,
+    pub group: Option<String>,
+    pub stats: WireStats,
+}
+
+/// [`corral_blkthrottle::Stats`] on the wire.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+#[allow(missing_docs)]
+pub struct WireStats {
+    pub read: WireOp,
+    pub write: WireOp,
+    pub other: WireOp,
+    pub throttled_requests: u64,
+    pub throttled_ns: u64,
+    pub queue_depth: u64,
+}
+
+/// One op kind's counters.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+#[allow(missing_docs)]
+pub struct WireOp {
+    pub ops: u64,
+    pub bytes: u64,
+    pub latency_counts: Vec<u64>,
+    pub latency_sum_ns: u64,
+}
+
+impl From<&corral_blkthrottle::OpStats> for WireOp {
+    fn from(o: &corral_blkthrottle::OpStats) -> Self {
+        WireOp {
+            ops: o.ops,
+            bytes: o.bytes,
+            latency_counts: o.latency.counts.to_vec(),
+            latency_sum_ns: o.latency.sum_ns,
+        }
+    }
+}
+
+impl From<&WireOp> for corral_blkthrottle::OpStats {
+    fn from(o: &WireOp) -> Self {
+        let mut s = corral_blkthrottle::OpStats {
+            ops: o.ops,
+            bytes: o.bytes,
+            ..Default::default()
+        };
+        for (d, v) in s.latency.counts.iter_mut().zip(&o.latency_counts) {
+            *d = *v;
+        }
+        s.latency.sum_ns = o.latency_sum_ns;
+        s
+    }
+}
+
+impl From<&corral_blkthrottle::Stats> for WireStats {
+    fn from(s: &corral_blkthrottle::Stats) -> Self {
+        WireStats {
+            read: (&s.read).into(),
+            write: (&s.write).into(),
+            other: (&s.other).into(),
+            throttled_requests: s.throttled_requests,
+            throttled_ns: s.throttled_ns,
+            queue_depth: s.queue_depth,
+        }
+    }
+}
+
+impl From<&WireStats> for corral_blkthrottle::Stats {
+    fn from(s: &WireStats) -> Self {
+        corral_blkthrottle::Stats {
+            read: (&s.read).into(),
+            write: (&s.write).into(),
+            other: (&s.other).into(),
+            throttled_requests: s.throttled_requests,
+            throttled_ns: s.throttled_ns,
+            queue_depth: s.queue_depth,
+        }
+    }
+}
+
+/// What a VM process sends.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "snake_case")]
+pub enum FromVm {
+    /// The VM runs.
+    Started(Status),
+    /// It could not start (the process exits).
+    StartFailed {
+        /// Why.
+        message: String,
+    },
+    /// The answer to request `id`.
+    Reply {
+        /// The request's id.
+        id: u64,
+        /// The answer.
+        resp: Response,
+    },
+    /// Console output from absolute offset `offset`.
+    Console {
+        /// Offset of the first byte.
+        offset: u64,
+        /// Bytes.
+        data: Vec<u8>,
+    },
+    /// The VM ended (the process exits after this).
+    Exited {
+        /// Why.
+        reason: ExitReason,
+    },
+}

@@ -1,0 +1,396 @@
+//! The VM process (`corral vmm`): reads its configuration from the inherited
+//! socket, starts exactly one VM ([`crate::builder::start`]) and serves the
+//! protocol of [`super::proto`] until the VM ends. Plain threads, no async
+//! runtime: the main thread reads requests, one thread pushes console
+//! output, one waits for the VM's end.
+
+use std::collections::BTreeMap;
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use corral_blkthrottle::ThrottleGroup;
+use corral_scheduler::Gate;
+
+use super::proto::{
+    CONSOLE_CHUNK, FromVm, Hello, PROTOCOL_VERSION, Request, Response, Stats, Status, ToVm,
+    WireDisk,
+};
+use super::wire;
+use crate::handle::VmHandle;
+use crate::hostfile::{HostFile, HostImage};
+use crate::util::lock;
+use crate::vm::{KernelSource, VmConfig};
+
+/// Errors before the VM runs.
+#[derive(Debug, thiserror::Error)]
+pub enum VmProcessError {
+    /// The socket or the protocol.
+    #[error(transparent)]
+    Wire(#[from] wire::WireError),
+    /// The configuration.
+    #[error("{0}")]
+    Config(String),
+}
+
+/// The daemon connection of a VM process: the current one (the inherited
+/// socket, or one a re-adopting daemon opened), if any.
+struct Link {
+    conn: Mutex<Option<Arc<OwnedFd>>>,
+    /// Console bytes sent so far on the current connection.
+    console_next: AtomicU64,
+}
+
+impl Link {
+    fn send(&self, msg: &FromVm) {
+        let c = lock(&self.conn).clone();
+        if let Some(c) = c
+            && wire::send(&*c, msg, &[]).is_err()
+        {
+            // The daemon is gone; a later one reconnects (or never does).
+            let mut g = lock(&self.conn);
+            if g.as_ref().is_some_and(|x| Arc::ptr_eq(x, &c)) {
+                *g = None;
+            }
+        }
+    }
+}
+
+/// One VM process.
+struct VmProcess {
+    handle: VmHandle,
+    nonce: String,
+    sched_gate: Option<Arc<Gate>>,
+    groups: Mutex<BTreeMap<String, ThrottleGroup>>,
+    link: Link,
+    supervised: AtomicBool,
+}
+
+/// Runs the VM process on `sock` (the daemon's end of a socketpair was
+/// inherited as `sock`); `builtin` is the binary's built-in guest. Returns
+/// when the VM has ended, with the exit status for the process.
+pub fn run(sock: OwnedFd, builtin: Arc<[u8]>) -> Result<i32, VmProcessError> {
+    let (hello, fds): (Hello, Vec<OwnedFd>) = wire::recv(&sock)?
+        .ok_or_else(|| VmProcessError::Config("the daemon closed the socket".into()))?;
+    if hello.version != PROTOCOL_VERSION {
+        let message = format!(
+            "protocol version {} is not supported: this corral vmm speaks version {PROTOCOL_VERSION}",
+            hello.version
+        );
+        let _ = wire::send(&sock, &FromVm::StartFailed { message: message.clone() }, &[]);
+        return Err(VmProcessError::Config(message));
+    }
+    let spec = hello.vm;
+    let mut fds: Vec<Option<OwnedFd>> = fds.into_iter().map(Some).collect();
+    let mut take = |f: &super::proto::PassedFile| -> Result<HostFile, VmProcessError> {
+        let fd = fds
+            .get_mut(f.fd)
+            .and_then(Option::take)
+            .ok_or_else(|| VmProcessError::Config(format!("file {} was not passed", f.fd)))?;
+        HostFile::from_passed(std::fs::File::from(fd), f.path.clone())
+            .map_err(|e| VmProcessError::Config(e.to_string()))
+    };
+    let kernel = match &spec.kernel {
+        Some(f) => KernelSource::File(take(f)?),
+        None => KernelSource::Bytes(builtin),
+    };
+    let mut cfg = VmConfig::new(&spec.name, kernel);
+    cfg.initrd = match &spec.initrd {
+        Some(f) => Some(HostImage::File(take(f)?)),
+        None => None,
+    };
+    cfg.cmdline = spec.cmdline.clone();
+    cfg.vcpus = spec.vcpus;
+    cfg.memory_mib = spec.memory_mib;
+    cfg.console_log_bytes = spec.console_log_bytes;
+    cfg.acpi = spec.acpi;
+    let now = crate::util::monotonic_ns();
+    let mut groups = BTreeMap::new();
+    for d in &spec.disks {
+        let group = match &d.group {
+            Some(g) => Some((group_for(&mut groups, g, now)?, g.weight)),
+            None => None,
+        };
+        cfg.disks.push(crate::vm::DiskConfig {
+            id: Some(d.id.clone()),
+            path: d.file.path.clone(),
+            read_only: d.read_only,
+            direct: d.direct,
+            limits: d.limits.into(),
+            group,
+            file: Some(take(&d.file)?),
+        });
+    }
+    let sched_gate = spec.sched_gate.then(|| Arc::new(Gate::new()));
+    cfg.sched_gate = sched_gate.clone();
+    if spec.seccomp {
+        crate::seccomp::enable()
+            .and_then(|()| crate::seccomp::check_all())
+            .and_then(|()| crate::seccomp::install(crate::seccomp::ThreadKind::Runtime))
+            .map_err(|e| VmProcessError::Config(e.to_string()))?;
+    }
+    let handle = match crate::builder::start(&cfg) {
+        Ok(h) => h,
+        Err(e) => {
+            let message = e.to_string();
+            let _ = wire::send(&sock, &FromVm::StartFailed { message: message.clone() }, &[]);
+            return Err(VmProcessError::Config(message));
+        }
+    };
+    let sock = Arc::new(sock);
+    let vm = Arc::new(VmProcess {
+        handle,
+        nonce: spec.nonce.clone(),
+        sched_gate,
+        groups: Mutex::new(groups),
+        link: Link {
+            conn: Mutex::new(Some(sock.clone())),
+            console_next: AtomicU64::new(0),
+        },
+        supervised: AtomicBool::new(true),
+    });
+    vm.link.send(&FromVm::Started(vm.status()));
+    let pump = {
+        let vm = vm.clone();
+        std::thread::Builder::new()
+            .name("console".into())
+            .spawn(move || vm.pump_console())
+            .map_err(|e| VmProcessError::Config(format!("console thread: {e}")))?
+    };
+    {
+        let vm = vm.clone();
+        std::thread::Builder::new()
+            .name("control".into())
+            .spawn(move || vm.serve_connection(sock))
+            .map_err(|e| VmProcessError::Config(format!("control thread: {e}")))?;
+    }
+    // The VM's end: every thread joined, the console closed and pushed out,
+    // then the reason, then exit.
+    vm.handle.wait(None);
+    let reason = vm.handle.join();
+    let _ = pump.join();
+    vm.link.send(&FromVm::Exited { reason });
+    Ok(0)
+}
+
+/// The process's throttle group `g.name`, created with `g.limits` if new.
+fn group_for(
+    groups: &mut BTreeMap<String, ThrottleGroup>,
+    g: &super::proto::GroupSpec,
+    now: u64,
+) -> Result<ThrottleGroup, VmProcessError> {
+    if let Some(x) = groups.get(&g.name) {
+        return Ok(x.clone());
+    }
+    let x = ThrottleGroup::new(g.name.clone(), &g.limits.into(), now)
+        .map_err(|e| VmProcessError::Config(format!("group {}: {e}", g.name)))?;
+    groups.insert(g.name.clone(), x.clone());
+    Ok(x)
+}
+
+impl VmProcess {
+    fn status(&self) -> Status {
+        let h = &self.handle;
+        Status {
+            name: h.name().to_string(),
+            nonce: self.nonce.clone(),
+            pid: std::process::id(),
+            paused: h.is_paused(),
+            parked: self.sched_gate.as_ref().is_some_and(|g| g.is_parked()),
+            unsupervised: !self.supervised.load(Ordering::Relaxed),
+            exit: h.exit_reason(),
+            vcpu_tids: h.vcpu_tids().to_vec(),
+            device_tid: h.device_tid(),
+            uptime_secs: h.uptime().as_secs_f64(),
+        }
+    }
+
+    fn stats(&self) -> Stats {
+        let h = &self.handle;
+        let mut exits: BTreeMap<&'static str, u64> = BTreeMap::new();
+        for s in h.vcpu_stats() {
+            for (k, v) in s.snapshot() {
+                *exits.entry(k).or_default() += v;
+            }
+        }
+        Stats {
+            disks: h
+                .disks()
+                .into_iter()
+                .map(|d| WireDisk {
+                    name: d.name,
+                    path: d.path,
+                    read_only: d.read_only,
+                    direct: d.direct,
+                    capacity_bytes: d.capacity_bytes,
+                    limits: d.limits.into(),
+                    group: d.group,
+                    stats: (&d.stats).into(),
+                })
+                .collect(),
+            exits: exits.into_iter().map(|(k, v)| (k.to_string(), v)).collect(),
+            guest_errors: h
+                .guest_errors()
+                .into_iter()
+                .map(|(d, k, n)| (d, k.to_string(), n))
+                .collect(),
+            unknown_accesses: h.unknown_accesses(),
+        }
+    }
+
+    /// Answers one request.
+    fn handle(&self, req: Request) -> Response {
+        let h = &self.handle;
+        let done = |r: Result<(), String>| match r {
+            Ok(()) => Response::Ok,
+            Err(message) => Response::Error { message },
+        };
+        match req {
+            Request::Status => Response::Status(self.status()),
+            Request::Stats => Response::Stats(Box::new(self.stats())),
+            Request::SetDiskLimits { disk, limits } => {
+                done(h.set_disk_limits(&disk, limits.into()).map_err(|e| e.to_string()))
+            }
+            Request::SetDiskGroup { disk, group } => {
+                let g = match &group {
+                    Some(g) => {
+                        let now = crate::util::monotonic_ns();
+                        match group_for(&mut lock(&self.groups), g, now) {
+                            Ok(x) => Some((x, g.weight)),
+                            Err(e) => return Response::Error { message: e.to_string() },
+                        }
+                    }
+                    None => None,
+                };
+                done(h.set_disk_group(&disk, g).map_err(|e| e.to_string()))
+            }
+            Request::SetGroupLimits { name, limits } => {
+                let g = lock(&self.groups).get(&name).cloned();
+                match g {
+                    Some(g) => done(
+                        g.set_limits(&limits.into(), crate::util::monotonic_ns())
+                            .map_err(|e| e.to_string()),
+                    ),
+                    None => Response::Ok,
+                }
+            }
+            Request::Pause => Response::Bool(h.pause()),
+            Request::Resume => Response::Bool(h.resume()),
+            Request::Park => Response::Bool(self.sched_gate.as_ref().is_some_and(|g| g.park())),
+            Request::Unpark => {
+                Response::Bool(self.sched_gate.as_ref().is_some_and(|g| g.unpark()))
+            }
+            Request::Stop => {
+                h.stop();
+                Response::Ok
+            }
+            Request::PowerButton => Response::Bool(h.press_power_button()),
+            Request::ConsoleInput { data } => Response::Count(h.console_input(&data)),
+            Request::ConsoleFrom { offset } => {
+                self.link.console_next.store(offset, Ordering::Release);
+                Response::Ok
+            }
+            Request::Adopt => {
+                self.supervised.store(true, Ordering::Relaxed);
+                Response::Ok
+            }
+        }
+    }
+
+    /// Reads requests from one daemon connection until it closes.
+    fn serve_connection(&self, sock: Arc<OwnedFd>) {
+        loop {
+            match wire::recv::<ToVm>(sock.as_fd()) {
+                Ok(Some((m, _))) => {
+                    let resp = self.handle(m.req);
+                    if m.id != 0
+                        && let Err(e) = wire::send(&*sock, &FromVm::Reply { id: m.id, resp }, &[])
+                    {
+                        tracing::warn!(vm = self.handle.name(), "reply: {e}");
+                        break;
+                    }
+                }
+                Ok(None) => break,
+                Err(e) => {
+                    tracing::warn!(vm = self.handle.name(), "bad request: {e}");
+                    let _ = wire::send(
+                        &*sock,
+                        &FromVm::Reply {
+                            id: 0,
+                            resp: Response::Error { message: e.to_string() },
+                        },
+                        &[],
+                    );
+                }
+            }
+        }
+        self.lost_daemon(&sock);
+    }
+
+    /// The daemon's connection closed: the daemon is gone. The VM keeps
+    /// running with its last limits; its shares are not enforced (the gate
+    /// opens) until a daemon re-adopts it.
+    fn lost_daemon(&self, sock: &Arc<OwnedFd>) {
+        {
+            let mut g = lock(&self.link.conn);
+            if g.as_ref().is_some_and(|x| Arc::ptr_eq(x, sock)) {
+                *g = None;
+            }
+        }
+        self.supervised.store(false, Ordering::Relaxed);
+        if let Some(g) = &self.sched_gate {
+            g.unpark();
+        }
+        tracing::warn!(
+            vm = self.handle.name(),
+            "the daemon's connection closed; the VM keeps running unsupervised"
+        );
+        if !self.keeps_running_alone() {
+            self.handle.stop();
+        }
+    }
+
+    /// Whether the VM outlives its daemon (it listens for a new one).
+    fn keeps_running_alone(&self) -> bool {
+        false
+    }
+
+    /// Pushes console output to the current daemon, from the offset it
+    /// asked for; ends when the log is closed and everything is sent.
+    fn pump_console(&self) {
+        let log = self.handle.console();
+        loop {
+            if lock(&self.link.conn).is_none() {
+                // Nobody to send to: the log keeps the output for a daemon
+                // that re-adopts the process.
+                if log.read_from(u64::MAX, Duration::ZERO).2 {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(200));
+                continue;
+            }
+            let from = self.link.console_next.load(Ordering::Acquire);
+            let (data, next, closed) = log.read_from(from, Duration::from_millis(250));
+            let start = next - data.len() as u64;
+            {
+                for (i, chunk) in data.chunks(CONSOLE_CHUNK).enumerate() {
+                    self.link.send(&FromVm::Console {
+                        offset: start + (i * CONSOLE_CHUNK) as u64,
+                        data: chunk.to_vec(),
+                    });
+                }
+                // Only if no daemon asked for another offset meanwhile.
+                let _ = self.link.console_next.compare_exchange(
+                    from,
+                    next,
+                    Ordering::AcqRel,
+                    Ordering::Acquire,
+                );
+            }
+            if closed && data.is_empty() {
+                return;
+            }
+        }
+    }
+}
