@@ -41,10 +41,41 @@ fn progress(d: &Daemon, name: &str) -> usize {
 }
 
 /// `Seccomp_filters:` of each thread of `pid`, by thread name.
+/// The process `pid` and its descendants (the daemon, its launcher and VM
+/// processes).
+fn process_tree(pid: u32) -> Vec<u32> {
+    let parents: Vec<(u32, u32)> = std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| {
+            let p: u32 = e.file_name().to_str()?.parse().ok()?;
+            let stat = std::fs::read_to_string(e.path().join("stat")).ok()?;
+            // pid (comm) state ppid ...: comm may hold spaces, so after ')'.
+            let ppid = stat.rsplit_once(')')?.1.split_whitespace().nth(1)?.parse().ok()?;
+            Some((p, ppid))
+        })
+        .collect();
+    let mut tree = vec![pid];
+    let mut i = 0;
+    while let Some(&p) = tree.get(i) {
+        tree.extend(parents.iter().filter(|(_, pp)| *pp == p).map(|(c, _)| *c));
+        i += 1;
+    }
+    tree
+}
+
 fn filters_per_thread(pid: u32) -> Vec<(String, u32)> {
     let mut out = Vec::new();
+    for pid in process_tree(pid) {
+        threads_of(pid, &mut out);
+    }
+    out
+}
+
+fn threads_of(pid: u32, out: &mut Vec<(String, u32)>) {
     let Ok(dir) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
-        return out;
+        return;
     };
     for t in dir.flatten() {
         let status = std::fs::read_to_string(t.path().join("status")).unwrap_or_default();
@@ -58,7 +89,6 @@ fn filters_per_thread(pid: u32) -> Vec<(String, u32)> {
             out.push((name, n.parse().unwrap_or(0)));
         }
     }
-    out
 }
 
 fn disk(dir: &std::path::Path) -> String {

@@ -410,5 +410,7 @@ pub enum FromVm {
     Exited {
         /// Why.
         reason: ExitReason,
+        /// The last counters.
+        stats: Box<Stats>,
     },
 }

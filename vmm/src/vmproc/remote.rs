@@ -40,6 +40,8 @@ struct Inner {
     /// The socket reached its end: the process is gone (or closed it).
     gone: AtomicBool,
     console: Arc<ConsoleLog>,
+    /// The counters the VM process sent with its exit.
+    last_stats: Mutex<Option<Stats>>,
 }
 
 /// A VM running in its own process, as the daemon sees it.
@@ -147,6 +149,7 @@ impl RemoteVm {
             exit_cond: Condvar::new(),
             gone: AtomicBool::new(false),
             console: ConsoleLog::new(console_bytes),
+            last_stats: Mutex::new(None),
         });
         let reader = {
             let inner = inner.clone();
@@ -269,6 +272,9 @@ impl RemoteVm {
     }
 
     fn stats(&self) -> Stats {
+        if let Some(s) = &*lock(&self.inner.last_stats) {
+            return s.clone();
+        }
         let mut c = lock(&self.stats);
         if let Some((at, s)) = &*c
             && at.elapsed() < STATS_TTL
@@ -568,7 +574,8 @@ fn read_loop(inner: &Inner, name: &str, pid: u32, launcher: &Launcher) {
                     console_total = console_total.max(offset) + rest.len() as u64;
                 }
             }
-            Ok(Some((FromVm::Exited { reason }, _))) => {
+            Ok(Some((FromVm::Exited { reason, stats }, _))) => {
+                *lock(&inner.last_stats) = Some(*stats);
                 let mut g = lock(&inner.exit);
                 if g.is_none() {
                     *g = Some(reason);
@@ -578,6 +585,8 @@ fn read_loop(inner: &Inner, name: &str, pid: u32, launcher: &Launcher) {
             }
             Ok(Some((FromVm::Started(_) | FromVm::StartFailed { .. }, _))) => {}
             Ok(None) => break,
+            // The process ended with requests unread.
+            Err(wire::WireError::Io(e)) if e.kind() == std::io::ErrorKind::ConnectionReset => break,
             Err(wire::WireError::Decode(e)) => {
                 tracing::warn!(vm = name, pid, "VM process sent a bad message: {e}");
             }

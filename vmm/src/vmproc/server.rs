@@ -170,7 +170,10 @@ pub fn run(sock: OwnedFd, builtin: Arc<[u8]>) -> Result<i32, VmProcessError> {
     vm.handle.wait(None);
     let reason = vm.handle.join();
     let _ = pump.join();
-    vm.link.send(&FromVm::Exited { reason });
+    vm.link.send(&FromVm::Exited {
+        reason,
+        stats: Box::new(vm.stats()),
+    });
     Ok(0)
 }
 
