@@ -166,7 +166,9 @@ fn main() -> ExitCode {
     match std::env::args_os().nth(1) {
         Some(a) if a == "vmm" => return vmm_process(),
         Some(a) if a == "vmm-launcher" => {
-            return ExitCode::from(corral_vmm::vmproc::launcher::launcher_main().clamp(0, 255) as u8);
+            return ExitCode::from(
+                corral_vmm::vmproc::launcher::launcher_main().clamp(0, 255) as u8
+            );
         }
         _ => {}
     }

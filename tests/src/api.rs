@@ -23,6 +23,36 @@ pub struct Daemon {
     pub token_file: Option<PathBuf>,
     /// Its private directory (socket, state directory, token).
     pub dir: PathBuf,
+    /// Its state directory.
+    pub state_dir: PathBuf,
+}
+
+/// In [`Daemon::start`]'s arguments: the daemon's VMs outlive it (no
+/// `--shutdown-vms-on-exit`); the test stops them (or a later daemon on
+/// the same state directory does; [`kill_vm_processes`] is the last resort).
+pub const KEEP_VMS: &str = "--test-keep-vms";
+
+/// SIGKILLs every `corral vmm` process whose control socket is in
+/// `state_dir` (VMs a test left running).
+pub fn kill_vm_processes(state_dir: &Path) -> usize {
+    let needle = state_dir.join("vms");
+    let needle = needle.to_string_lossy();
+    let mut n = 0;
+    for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
+            continue;
+        };
+        let cmd = std::fs::read(e.path().join("cmdline")).unwrap_or_default();
+        let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
+        if cmd.contains(" vmm ") && cmd.contains(&*needle) {
+            // SAFETY: kill(2) of a process we identified by its command line.
+            unsafe {
+                libc::kill(pid, libc::SIGKILL);
+            }
+            n += 1;
+        }
+    }
+    n
 }
 
 impl Daemon {
@@ -65,7 +95,20 @@ impl Daemon {
                 args.extend(["--image-dir", d.to_str().expect("utf-8 path")]);
             }
         }
-        args.extend_from_slice(extra);
+        // A test daemon stops its VMs when it exits, unless the test keeps
+        // them for the next daemon (kill -9 never stops them).
+        if extra.contains(&KEEP_VMS) {
+            args.extend(extra.iter().filter(|a| **a != KEEP_VMS));
+        } else {
+            args.push("--shutdown-vms-on-exit");
+            args.extend_from_slice(extra);
+        }
+        let state_dir = args
+            .iter()
+            .position(|a| *a == "--state-dir")
+            .and_then(|i| args.get(i + 1))
+            .map(PathBuf::from)
+            .unwrap_or_else(|| state.clone());
         let mut cmd = Command::new(crate::corral_bin());
         cmd.args(&args)
             .envs(env.iter().copied())
@@ -117,6 +160,7 @@ impl Daemon {
             tcp,
             token_file,
             dir,
+            state_dir,
         };
         let deadline = Instant::now() + Duration::from_secs(20);
         while UnixStream::connect(&d.socket).is_err() {
@@ -190,8 +234,12 @@ impl Daemon {
 
 impl Drop for Daemon {
     fn drop(&mut self) {
+        // A daemon the test killed itself (kill -9) leaves its VMs to the
+        // next daemon on its state directory; one still running here is
+        // stopped, and whatever VM processes it left with it.
         if let Ok(None) = self.child.try_wait() {
             self.terminate(Duration::from_secs(10));
+            kill_vm_processes(&self.state_dir);
         }
         let _ = std::fs::remove_dir_all(&self.dir);
     }

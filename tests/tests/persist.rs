@@ -146,19 +146,25 @@ fn classes_and_vms_survive_kill9_of_the_daemon() {
     assert_eq!(a["parent"], "gold", "{a}");
     assert_eq!(a["reservation"], 20, "{a}");
     assert_eq!(get(&d, "/v1/classes/silver")["shares"], 150);
+    // kill -9 of the daemon did not stop v1: its VM process ran on, and
+    // the new daemon re-adopted it (issue 15).
     let v1 = get(&d, "/v1/vms/v1");
-    assert_eq!(v1["state"], "stopped", "{v1}");
-    assert_eq!(v1["exit"]["reason"], "daemon_restarted", "{v1}");
-    assert!(
-        v1["exit"]["message"].as_str().unwrap().contains("start"),
-        "{v1}"
-    );
+    assert_eq!(v1["state"], "running", "{v1}");
     assert_eq!(v1["class"], "gold", "{v1}");
     assert_eq!(v1["weight"], 300, "{v1}");
     assert_eq!(v1["cap"], 60, "{v1}");
     assert_eq!(v1["disks"][0]["limits"]["iops"], 700, "{v1}");
-    assert_eq!(get(&d, "/v1/vms/v2")["state"], "stopped");
-    // start runs it, with its current settings.
+    let v2 = get(&d, "/v1/vms/v2");
+    assert_eq!(v2["state"], "stopped", "{v2}");
+    assert_eq!(v2["exit"]["reason"], "daemon_restarted", "{v2}");
+    assert!(
+        v2["exit"]["message"].as_str().unwrap().contains("start"),
+        "{v2}"
+    );
+    // The re-adopted VM obeys the new daemon; start runs it again, with
+    // its current settings.
+    ok(&d, "POST", "/v1/vms/v1/stop", json!({}));
+    assert_eq!(get(&d, "/v1/vms/v1")["state"], "stopped");
     let r = ok(&d, "POST", "/v1/vms/v1/start", json!({}));
     assert_eq!(r["state"], "running", "{r}");
     assert_eq!(r["cap"], 60, "{r}");

@@ -52,7 +52,13 @@ fn process_tree(pid: u32) -> Vec<u32> {
             let p: u32 = e.file_name().to_str()?.parse().ok()?;
             let stat = std::fs::read_to_string(e.path().join("stat")).ok()?;
             // pid (comm) state ppid ...: comm may hold spaces, so after ')'.
-            let ppid = stat.rsplit_once(')')?.1.split_whitespace().nth(1)?.parse().ok()?;
+            let ppid = stat
+                .rsplit_once(')')?
+                .1
+                .split_whitespace()
+                .nth(1)?
+                .parse()
+                .ok()?;
             Some((p, ppid))
         })
         .collect();

@@ -439,7 +439,10 @@ impl HostFile {
         if !block && !meta.file_type().is_file() {
             return Err(std::io::Error::new(
                 std::io::ErrorKind::InvalidInput,
-                format!("{}: a passed file must be regular or a block device", path.display()),
+                format!(
+                    "{}: a passed file must be regular or a block device",
+                    path.display()
+                ),
             ));
         }
         Ok(HostFile {

@@ -33,8 +33,8 @@ mod util;
 pub mod vcpu;
 pub mod vm;
 pub mod vmgate;
-mod vmthread;
 pub mod vmproc;
+mod vmthread;
 
 pub use builder::{start, start_with_kvm};
 pub use handle::VmHandle;

@@ -261,7 +261,10 @@ impl std::fmt::Display for ExitReason {
                 }
             }
             Self::ProcessGone { pid, how } => {
-                write!(f, "the VM's process (pid {pid}) ended without the VM stopping: {how}")
+                write!(
+                    f,
+                    "the VM's process (pid {pid}) ended without the VM stopping: {how}"
+                )
             }
         }
     }

@@ -87,6 +87,11 @@ pub struct ServeArgs {
     /// here). The `cgroup` CPU backend runs VMs as threads.
     #[arg(long, default_value = "process", value_parser = ["process", "thread"])]
     pub vm_mode: String,
+    /// Stop every VM when the daemon exits (SIGTERM, SIGINT). Without it
+    /// the VM processes keep running (also through kill -9 of the daemon)
+    /// and the next daemon on the state directory re-adopts them.
+    #[arg(long)]
+    pub shutdown_vms_on_exit: bool,
     /// Start again the VMs of the state file that were running (created
     /// or started and not stopped) when the daemon last ran. Off: every VM
     /// is reloaded stopped and `start` runs it.
@@ -272,6 +277,7 @@ pub fn serve(args: ServeArgs, builtin: Arc<[u8]>) -> Result<(), ServeError> {
             launcher: corral_vmm::vmproc::launcher::Launcher::start(&exe)
                 .map_err(io("starting the VM process launcher"))?,
             seccomp: !args.no_seccomp,
+            keep_running: !args.shutdown_vms_on_exit,
         })
     } else {
         None
@@ -304,7 +310,9 @@ pub fn serve(args: ServeArgs, builtin: Arc<[u8]>) -> Result<(), ServeError> {
             classes = r.classes,
             vms = r.vms,
             started = r.started,
-            "state reloaded: VMs are stopped unless --restart-vms started them"
+            adopted = r.adopted,
+            "state reloaded: VM processes still running are re-adopted; the other VMs are \
+             stopped unless --restart-vms started them"
         );
     }
     let rt = tokio::runtime::Builder::new_multi_thread()

@@ -6,6 +6,7 @@
 use super::*;
 use crate::hostfile::HostFile;
 use crate::vmproc::remote::RemoteVm;
+use std::os::unix::fs::DirBuilderExt;
 
 impl Manager {
     pub(super) fn launch(
@@ -172,11 +173,14 @@ impl Manager {
                 read_only: d.read_only,
                 direct: d.direct,
                 limits: d.limits.into(),
-                group: d.group.as_ref().map(|(g, w)| crate::vmproc::proto::GroupSpec {
-                    name: g.name().to_string(),
-                    limits: g.limits().into(),
-                    weight: *w,
-                }),
+                group: d
+                    .group
+                    .as_ref()
+                    .map(|(g, w)| crate::vmproc::proto::GroupSpec {
+                        name: g.name().to_string(),
+                        limits: g.limits().into(),
+                        weight: *w,
+                    }),
             });
         }
         let spec = VmSpec {
@@ -192,11 +196,38 @@ impl Manager {
             disks,
             sched_gate: self.cfg.cpu_backend == CpuBackend::Gate,
             seccomp: p.seccomp,
-            control_socket: None,
+            control_socket: self.control_socket(&cfg.name),
         };
         let borrowed: Vec<_> = fds.iter().map(|f| f.file().as_fd()).collect();
-        let vm = RemoteVm::start(&p.launcher, spec, &borrowed, keep, false)?;
+        // In a session of its own when it may outlive the daemon.
+        let setsid = spec.control_socket.is_some();
+        let vm = RemoteVm::start(&p.launcher, spec, &borrowed, keep, setsid)?;
         Ok(Arc::new(vm))
+    }
+}
+
+impl Manager {
+    /// Where VM `name`'s process listens for a daemon that re-adopts it:
+    /// `STATE_DIR/vms/NAME.sock` (the directory 0700). `None` without a
+    /// state directory, or when the path is too long for a Unix socket
+    /// (the VM then cannot outlive the daemon).
+    fn control_socket(&self, name: &str) -> Option<std::path::PathBuf> {
+        let dir = self.cfg.state_dir.as_ref()?;
+        let p = crate::vmproc::adopt::control_socket(dir, name);
+        if p.as_os_str().len() > crate::vmproc::adopt::MAX_SOCKET_PATH {
+            tracing::warn!(vm = name, path = %p.display(), "control socket path too long: the VM will not outlive the daemon");
+            return None;
+        }
+        let vms = p.parent()?;
+        if let Err(e) = std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(vms)
+        {
+            tracing::warn!(vm = name, "cannot create {}: {e}", vms.display());
+            return None;
+        }
+        Some(p)
     }
 }
 

@@ -21,6 +21,7 @@ mod io;
 mod launch;
 mod lifecycle;
 mod model;
+mod readopt;
 mod run;
 pub mod state;
 mod vms;
@@ -348,6 +349,25 @@ impl Manager {
             st.shutting_down = true;
             std::mem::take(&mut st.vms).into_values().collect()
         };
+        // VM processes that outlive the daemon are left as they are (their
+        // files, locks and groups are theirs); the next daemon adopts them.
+        let keep = self
+            .cfg
+            .vm_processes
+            .as_ref()
+            .is_some_and(|p| p.keep_running);
+        let (left, entries): (Vec<_>, Vec<_>) = entries
+            .into_iter()
+            .partition(|e| keep && e.handle.remote().is_some() && e.handle.exit_reason().is_none());
+        for e in &left {
+            self.cpu.detach(e.id);
+        }
+        if !left.is_empty() {
+            tracing::info!(
+                vms = left.len(),
+                "VM processes left running for the next daemon"
+            );
+        }
         for e in &entries {
             e.handle.stop();
         }

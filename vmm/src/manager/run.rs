@@ -22,6 +22,10 @@ pub struct VmProcesses {
     pub launcher: Arc<Launcher>,
     /// The VM processes install their seccomp filters.
     pub seccomp: bool,
+    /// The VMs outlive the daemon (its exit, SIGTERM, kill -9): a daemon
+    /// started later on the state directory re-adopts them. Off
+    /// (`--shutdown-vms-on-exit`): the daemon stops them when it exits.
+    pub keep_running: bool,
 }
 
 /// A VM's run: threads of this process, or a process of its own.

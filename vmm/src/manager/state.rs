@@ -30,7 +30,8 @@ mod compat_tests;
 mod format;
 use format::write_atomic;
 pub use format::{
-    BACKUP_FILE, STATE_FILE, STATE_VERSION, SavedClass, SavedVm, StateFile, parse_state, read_state,
+    BACKUP_FILE, STATE_FILE, STATE_VERSION, SavedClass, SavedProcess, SavedVm, StateFile,
+    parse_state, read_state,
 };
 
 /// Where the state goes and which VMs are meant to run. Its lock is held
@@ -59,6 +60,8 @@ pub struct Restored {
     pub vms: usize,
     /// VMs started again (`--restart-vms`).
     pub started: usize,
+    /// VM processes that outlived the last daemon, supervised again.
+    pub adopted: usize,
 }
 
 impl Manager {
@@ -111,6 +114,14 @@ impl Manager {
                     cmdline: r.cmdline.clone(),
                     disks: lock(&e.disks).iter().map(|d| d.config.clone()).collect(),
                     running: p.wanted.contains(&e.name),
+                    process: e
+                        .handle
+                        .remote()
+                        .filter(|_| e.handle.exit_reason().is_none())
+                        .map(|r| SavedProcess {
+                            pid: r.pid(),
+                            nonce: r.nonce().to_string(),
+                        }),
                 }
             })
             .collect();
@@ -465,15 +476,14 @@ impl Manager {
             for (v, req) in reqs {
                 let handle = VmHandle::defined(&v.name, ExitReason::DaemonRestarted)?;
                 let cmdline = req.cmdline.clone().unwrap_or_default();
-                let entry =
-                    Entry::new(
-                        VmId(st.next_id),
-                        v.name.clone(),
-                        cmdline,
-                        VmRun::Local(handle),
-                        req,
-                        true,
-                    );
+                let entry = Entry::new(
+                    VmId(st.next_id),
+                    v.name.clone(),
+                    cmdline,
+                    VmRun::Local(handle),
+                    req,
+                    true,
+                );
                 st.next_id += 1;
                 st.vms.insert(v.name.clone(), Arc::new(entry));
             }
@@ -484,9 +494,13 @@ impl Manager {
             .filter(|v| v.running)
             .map(|v| v.name.clone())
             .collect();
+        let adopted = self.readopt(file);
         let mut started = 0;
         if restart {
             for name in p.wanted.clone() {
+                if adopted.contains(&name) {
+                    continue;
+                }
                 match self.start_vm_live(&name) {
                     Ok(_) => started += 1,
                     Err(e) => tracing::warn!(vm = name, "--restart-vms: not started: {e}"),
@@ -498,6 +512,7 @@ impl Manager {
             classes: file.classes.len(),
             vms: file.vms.len(),
             started,
+            adopted: adopted.len(),
         })
     }
 }

@@ -27,7 +27,12 @@ pub const CHILD_FD: i32 = 3;
 enum LauncherReq {
     /// Start `corral vmm` for VM `name` with the passed socket; in a new
     /// session if `setsid`.
-    Spawn { name: String, setsid: bool },
+    Spawn {
+        name: String,
+        setsid: bool,
+        /// For `ps`: the VM's control socket, if any.
+        socket: Option<std::path::PathBuf>,
+    },
     /// SIGKILL a VM process (only a child not yet reaped: no pid reuse).
     Kill { pid: u32 },
 }
@@ -35,10 +40,17 @@ enum LauncherReq {
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "snake_case")]
 enum LauncherMsg {
-    Spawned { pid: u32 },
-    Failed { message: String },
+    Spawned {
+        pid: u32,
+    },
+    Failed {
+        message: String,
+    },
     /// A child ended: how (`exit status 1`, `killed by signal 9`).
-    Exited { pid: u32, how: String },
+    Exited {
+        pid: u32,
+        how: String,
+    },
 }
 
 /// The daemon's handle on its launcher.
@@ -109,25 +121,27 @@ impl Launcher {
             let (sock, shared) = (lock(&self.sock).clone(), self.shared.clone());
             let r = std::thread::Builder::new()
                 .name("launcher-rx".into())
-                .spawn(move || loop {
-                    match wire::recv::<LauncherMsg>(sock.as_fd()) {
-                        Ok(Some((LauncherMsg::Exited { pid, how }, _))) => {
-                            let mut st = lock(&shared.st);
-                            st.exits.insert(pid, how);
-                            // Bounded: old entries of processes nobody asked about.
-                            while st.exits.len() > 4096 {
-                                st.exits.pop_first();
+                .spawn(move || {
+                    loop {
+                        match wire::recv::<LauncherMsg>(sock.as_fd()) {
+                            Ok(Some((LauncherMsg::Exited { pid, how }, _))) => {
+                                let mut st = lock(&shared.st);
+                                st.exits.insert(pid, how);
+                                // Bounded: old entries of processes nobody asked about.
+                                while st.exits.len() > 4096 {
+                                    st.exits.pop_first();
+                                }
+                                shared.cv.notify_all();
                             }
-                            shared.cv.notify_all();
-                        }
-                        Ok(Some((m, _))) => {
-                            lock(&shared.st).replies.push_back(m);
-                            shared.cv.notify_all();
-                        }
-                        Ok(None) | Err(_) => {
-                            lock(&shared.st).gone = true;
-                            shared.cv.notify_all();
-                            return;
+                            Ok(Some((m, _))) => {
+                                lock(&shared.st).replies.push_back(m);
+                                shared.cv.notify_all();
+                            }
+                            Ok(None) | Err(_) => {
+                                lock(&shared.st).gone = true;
+                                shared.cv.notify_all();
+                                return;
+                            }
                         }
                     }
                 });
@@ -140,12 +154,19 @@ impl Launcher {
 
     /// Starts the VM process of `name` with `sock` as its socket; returns
     /// its pid.
-    pub fn spawn_vm(&self, name: &str, sock: OwnedFd, setsid: bool) -> std::io::Result<u32> {
+    pub fn spawn_vm(
+        &self,
+        name: &str,
+        sock: OwnedFd,
+        setsid: bool,
+        socket: Option<&Path>,
+    ) -> std::io::Result<u32> {
         self.start_reader();
         let s = lock(&self.sock);
         let req = LauncherReq::Spawn {
             name: name.to_string(),
             setsid,
+            socket: socket.map(Path::to_path_buf),
         };
         wire::send(&**s, &req, &[sock.as_fd()]).map_err(std::io::Error::other)?;
         drop(sock);
@@ -154,7 +175,9 @@ impl Launcher {
         loop {
             match st.replies.pop_front() {
                 Some(LauncherMsg::Spawned { pid }) => return Ok(pid),
-                Some(LauncherMsg::Failed { message }) => return Err(std::io::Error::other(message)),
+                Some(LauncherMsg::Failed { message }) => {
+                    return Err(std::io::Error::other(message));
+                }
                 Some(LauncherMsg::Exited { .. }) => {}
                 None if st.gone => {
                     return Err(std::io::Error::other("the VM process launcher has exited"));
@@ -162,7 +185,9 @@ impl Launcher {
                 None => {
                     let now = Instant::now();
                     if now >= deadline {
-                        return Err(std::io::Error::other("the VM process launcher did not answer"));
+                        return Err(std::io::Error::other(
+                            "the VM process launcher did not answer",
+                        ));
                     }
                     st = self
                         .shared
@@ -230,23 +255,25 @@ pub fn launcher_main() -> i32 {
         let (children, sock) = (children.clone(), sock.clone());
         let _ = std::thread::Builder::new()
             .name("reaper".into())
-            .spawn(move || loop {
-                std::thread::sleep(Duration::from_millis(20));
-                let mut ended = Vec::new();
-                {
-                    let mut c = lock(&children);
-                    let pids: BTreeSet<u32> = c.keys().copied().collect();
-                    for pid in pids {
-                        if let Some(ch) = c.get_mut(&pid)
-                            && let Ok(Some(st)) = ch.try_wait()
-                        {
-                            ended.push((pid, describe(st)));
-                            c.remove(&pid);
+            .spawn(move || {
+                loop {
+                    std::thread::sleep(Duration::from_millis(20));
+                    let mut ended = Vec::new();
+                    {
+                        let mut c = lock(&children);
+                        let pids: BTreeSet<u32> = c.keys().copied().collect();
+                        for pid in pids {
+                            if let Some(ch) = c.get_mut(&pid)
+                                && let Ok(Some(st)) = ch.try_wait()
+                            {
+                                ended.push((pid, describe(st)));
+                                c.remove(&pid);
+                            }
                         }
                     }
-                }
-                for (pid, how) in ended {
-                    let _ = wire::send(&*sock, &LauncherMsg::Exited { pid, how }, &[]);
+                    for (pid, how) in ended {
+                        let _ = wire::send(&*sock, &LauncherMsg::Exited { pid, how }, &[]);
+                    }
                 }
             });
     }
@@ -260,7 +287,11 @@ pub fn launcher_main() -> i32 {
             }
         };
         match req {
-            LauncherReq::Spawn { name, setsid } => {
+            LauncherReq::Spawn {
+                name,
+                setsid,
+                socket,
+            } => {
                 let reply = match fds.pop() {
                     None => LauncherMsg::Failed {
                         message: "no socket passed".into(),
@@ -274,6 +305,9 @@ pub fn launcher_main() -> i32 {
                             .arg("--name")
                             .arg(&name)
                             .stdin(std::process::Stdio::null());
+                        if let Some(s) = &socket {
+                            cmd.arg("--socket").arg(s);
+                        }
                         // SAFETY: only async-signal-safe calls between fork
                         // and exec: dup2 onto CHILD_FD and setsid.
                         unsafe {

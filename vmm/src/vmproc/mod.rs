@@ -3,6 +3,7 @@
 //! ([`server`], `corral vmm`), the daemon's launcher of VM processes
 //! ([`launcher`]) and its view of one ([`remote::RemoteVm`]).
 
+pub mod adopt;
 pub mod launcher;
 pub mod proto;
 pub mod remote;

@@ -224,8 +224,16 @@ pub enum Request {
         /// Absolute offset.
         offset: u64,
     },
-    /// The daemon that sends this supervises the process from now on.
-    Adopt,
+    /// The VM process's files (kernel, initrd, disks) as SCM_RIGHTS, with
+    /// [`Response::Files`]: a daemon that re-adopts the process books
+    /// their images again (the same open files: the same locks).
+    Files,
+    /// The daemon on this connection supervises the process from now on:
+    /// output and the exit go to it, console output from `console_from`.
+    Adopt {
+        /// Absolute console offset to send from.
+        console_from: u64,
+    },
 }
 
 /// An answer.
@@ -247,6 +255,21 @@ pub enum Response {
     Status(Status),
     /// Its counters.
     Stats(Box<Stats>),
+    /// The paths of the files passed with this answer, in order.
+    Files(Vec<PathBuf>),
+}
+
+/// What a VM process that ended leaves beside its control socket
+/// (`NAME.exit`), for a daemon that was not there to hear it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ExitRecord {
+    /// VM name.
+    pub name: String,
+    /// The run's identity.
+    pub nonce: String,
+    /// Why it ended.
+    pub reason: ExitReason,
 }
 
 /// What a VM process says about itself.

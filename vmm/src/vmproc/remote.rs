@@ -71,12 +71,12 @@ impl std::fmt::Debug for RemoteVm {
     }
 }
 
-fn wire_err(e: impl std::fmt::Display) -> VmError {
+pub(super) fn wire_err(e: impl std::fmt::Display) -> VmError {
     VmError::Config(format!("VM process: {e}"))
 }
 
 /// Waits until `fd` is readable, up to `timeout`.
-fn readable(fd: BorrowedFd<'_>, timeout: Duration) -> bool {
+pub(super) fn readable(fd: BorrowedFd<'_>, timeout: Duration) -> bool {
     let mut p = libc::pollfd {
         fd: std::os::fd::AsRawFd::as_raw_fd(&fd),
         events: libc::POLLIN,
@@ -103,7 +103,7 @@ impl RemoteVm {
         let name = vm.name.clone();
         let console_bytes = vm.console_log_bytes;
         let pid = launcher
-            .spawn_vm(&name, theirs, setsid)
+            .spawn_vm(&name, theirs, setsid, vm.control_socket.as_deref())
             .map_err(wire_err)?;
         let fail = |e: VmError| {
             launcher.kill(pid);
@@ -115,7 +115,9 @@ impl RemoteVm {
         };
         wire::send(&ours, &hello, files).map_err(|e| fail(wire_err(e)))?;
         if !readable(ours.as_fd(), START_TIMEOUT) {
-            return Err(fail(wire_err("the VM process did not start its VM in time")));
+            return Err(fail(wire_err(
+                "the VM process did not start its VM in time",
+            )));
         }
         let status = match wire::recv::<FromVm>(&ours) {
             Ok(Some((FromVm::Started(s), _))) => s,
@@ -131,11 +133,17 @@ impl RemoteVm {
             }
             Err(e) => return Err(fail(wire_err(e))),
         };
-        Ok(Self::attach(ours, status, keep, launcher.clone(), console_bytes))
+        Ok(Self::attach(
+            ours,
+            status,
+            keep,
+            launcher.clone(),
+            console_bytes,
+        ))
     }
 
     /// The daemon's side of a running VM process on `sock`.
-    fn attach(
+    pub(super) fn attach(
         sock: OwnedFd,
         status: Status,
         files: Vec<HostFile>,
@@ -189,7 +197,7 @@ impl RemoteVm {
         &self.nonce
     }
 
-    fn call(&self, req: Request) -> Result<Response, VmError> {
+    pub(super) fn call(&self, req: Request) -> Result<Response, VmError> {
         if self.inner.gone.load(Ordering::Acquire) {
             return Err(VmError::Config("the VM's process has ended".into()));
         }
@@ -210,7 +218,7 @@ impl RemoteVm {
     }
 
     /// Sends without waiting for an answer.
-    fn tell(&self, req: Request) {
+    pub(super) fn tell(&self, req: Request) {
         let _ = wire::send(&self.inner.sock, &ToVm { id: 0, req }, &[]);
     }
 
@@ -539,6 +547,13 @@ impl RemoteVm {
         if let Ok(t) = t {
             *lock(&self.relay) = Some((gate, t));
         }
+    }
+
+    /// Lets the VM process go without stopping it: closes the connection
+    /// (the process keeps running unsupervised, or another daemon adopts it).
+    pub fn forget(&self) {
+        let _ = rustix::net::shutdown(&self.inner.sock, rustix::net::Shutdown::Both);
+        self.stop_relay();
     }
 
     fn stop_relay(&self) {

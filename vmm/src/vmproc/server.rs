@@ -65,6 +65,9 @@ struct VmProcess {
     groups: Mutex<BTreeMap<String, ThrottleGroup>>,
     link: Link,
     supervised: AtomicBool,
+    /// Where a later daemon finds the process (`NAME.sock` in the state
+    /// directory's `vms/`), if it outlives its daemon.
+    control_socket: Option<std::path::PathBuf>,
 }
 
 /// Runs the VM process on `sock` (the daemon's end of a socketpair was
@@ -78,7 +81,13 @@ pub fn run(sock: OwnedFd, builtin: Arc<[u8]>) -> Result<i32, VmProcessError> {
             "protocol version {} is not supported: this corral vmm speaks version {PROTOCOL_VERSION}",
             hello.version
         );
-        let _ = wire::send(&sock, &FromVm::StartFailed { message: message.clone() }, &[]);
+        let _ = wire::send(
+            &sock,
+            &FromVm::StartFailed {
+                message: message.clone(),
+            },
+            &[],
+        );
         return Err(VmProcessError::Config(message));
     }
     let spec = hello.vm;
@@ -134,7 +143,13 @@ pub fn run(sock: OwnedFd, builtin: Arc<[u8]>) -> Result<i32, VmProcessError> {
         Ok(h) => h,
         Err(e) => {
             let message = e.to_string();
-            let _ = wire::send(&sock, &FromVm::StartFailed { message: message.clone() }, &[]);
+            let _ = wire::send(
+                &sock,
+                &FromVm::StartFailed {
+                    message: message.clone(),
+                },
+                &[],
+            );
             return Err(VmProcessError::Config(message));
         }
     };
@@ -149,8 +164,35 @@ pub fn run(sock: OwnedFd, builtin: Arc<[u8]>) -> Result<i32, VmProcessError> {
             console_next: AtomicU64::new(0),
         },
         supervised: AtomicBool::new(true),
+        control_socket: spec.control_socket.clone(),
     });
+    let listener = match &spec.control_socket {
+        Some(path) => match listen(path) {
+            Ok(l) => Some(l),
+            Err(e) => {
+                let message = format!("control socket {}: {e}", path.display());
+                vm.handle.stop();
+                vm.handle.join();
+                let _ = wire::send(
+                    &*sock,
+                    &FromVm::StartFailed {
+                        message: message.clone(),
+                    },
+                    &[],
+                );
+                return Err(VmProcessError::Config(message));
+            }
+        },
+        None => None,
+    };
     vm.link.send(&FromVm::Started(vm.status()));
+    if let Some(l) = listener {
+        let vm = vm.clone();
+        std::thread::Builder::new()
+            .name("accept".into())
+            .spawn(move || vm.accept_loop(l))
+            .map_err(|e| VmProcessError::Config(format!("accept thread: {e}")))?;
+    }
     let pump = {
         let vm = vm.clone();
         std::thread::Builder::new()
@@ -170,11 +212,42 @@ pub fn run(sock: OwnedFd, builtin: Arc<[u8]>) -> Result<i32, VmProcessError> {
     vm.handle.wait(None);
     let reason = vm.handle.join();
     let _ = pump.join();
+    if let Some(path) = &vm.control_socket {
+        // For a daemon that is not there to hear it: written before the
+        // socket goes, so a daemon that finds no socket finds this.
+        let rec = super::proto::ExitRecord {
+            name: vm.handle.name().to_string(),
+            nonce: vm.nonce.clone(),
+            reason: reason.clone(),
+        };
+        if let Ok(data) = serde_json::to_vec(&rec) {
+            let _ = std::fs::write(path.with_extension("exit"), data);
+        }
+        let _ = std::fs::remove_file(path);
+    }
     vm.link.send(&FromVm::Exited {
         reason,
         stats: Box::new(vm.stats()),
     });
     Ok(0)
+}
+
+/// Listens on `path` (SOCK_SEQPACKET, mode 0600), replacing a stale file.
+fn listen(path: &std::path::Path) -> std::io::Result<OwnedFd> {
+    use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
+    let s = rustix::net::socket_with(
+        AddressFamily::UNIX,
+        SocketType::SEQPACKET,
+        SocketFlags::CLOEXEC,
+        None,
+    )?;
+    let addr = SocketAddrUnix::new(path)?;
+    let _ = std::fs::remove_file(path);
+    let _ = std::fs::remove_file(path.with_extension("exit"));
+    rustix::net::bind(&s, &addr)?;
+    std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
+    rustix::net::listen(&s, 8)?;
+    Ok(s)
 }
 
 /// The process's throttle group `g.name`, created with `g.limits` if new.
@@ -252,16 +325,21 @@ impl VmProcess {
         match req {
             Request::Status => Response::Status(self.status()),
             Request::Stats => Response::Stats(Box::new(self.stats())),
-            Request::SetDiskLimits { disk, limits } => {
-                done(h.set_disk_limits(&disk, limits.into()).map_err(|e| e.to_string()))
-            }
+            Request::SetDiskLimits { disk, limits } => done(
+                h.set_disk_limits(&disk, limits.into())
+                    .map_err(|e| e.to_string()),
+            ),
             Request::SetDiskGroup { disk, group } => {
                 let g = match &group {
                     Some(g) => {
                         let now = crate::util::monotonic_ns();
                         match group_for(&mut lock(&self.groups), g, now) {
                             Ok(x) => Some((x, g.weight)),
-                            Err(e) => return Response::Error { message: e.to_string() },
+                            Err(e) => {
+                                return Response::Error {
+                                    message: e.to_string(),
+                                };
+                            }
                         }
                     }
                     None => None,
@@ -281,9 +359,7 @@ impl VmProcess {
             Request::Pause => Response::Bool(h.pause()),
             Request::Resume => Response::Bool(h.resume()),
             Request::Park => Response::Bool(self.sched_gate.as_ref().is_some_and(|g| g.park())),
-            Request::Unpark => {
-                Response::Bool(self.sched_gate.as_ref().is_some_and(|g| g.unpark()))
-            }
+            Request::Unpark => Response::Bool(self.sched_gate.as_ref().is_some_and(|g| g.unpark())),
             Request::Stop => {
                 h.stop();
                 Response::Ok
@@ -294,10 +370,10 @@ impl VmProcess {
                 self.link.console_next.store(offset, Ordering::Release);
                 Response::Ok
             }
-            Request::Adopt => {
-                self.supervised.store(true, Ordering::Relaxed);
-                Response::Ok
-            }
+            // Answered by `serve_connection` (they need the connection).
+            Request::Files | Request::Adopt { .. } => Response::Error {
+                message: "not here".into(),
+            },
         }
     }
 
@@ -306,7 +382,31 @@ impl VmProcess {
         loop {
             match wire::recv::<ToVm>(sock.as_fd()) {
                 Ok(Some((m, _))) => {
-                    let resp = self.handle(m.req);
+                    let resp = match m.req {
+                        Request::Files => {
+                            let files = self.handle.files();
+                            let paths = files.iter().map(|f| f.path().to_path_buf()).collect();
+                            let fds: Vec<_> = files.iter().map(|f| f.file().as_fd()).collect();
+                            let msg = FromVm::Reply {
+                                id: m.id,
+                                resp: Response::Files(paths),
+                            };
+                            if wire::send(&*sock, &msg, &fds).is_err() {
+                                break;
+                            }
+                            continue;
+                        }
+                        Request::Adopt { console_from } => {
+                            self.link
+                                .console_next
+                                .store(console_from, Ordering::Release);
+                            *lock(&self.link.conn) = Some(sock.clone());
+                            self.supervised.store(true, Ordering::Relaxed);
+                            tracing::info!(vm = self.handle.name(), "re-adopted by a daemon");
+                            Response::Ok
+                        }
+                        req => self.handle(req),
+                    };
                     if m.id != 0
                         && let Err(e) = wire::send(&*sock, &FromVm::Reply { id: m.id, resp }, &[])
                     {
@@ -321,7 +421,9 @@ impl VmProcess {
                         &*sock,
                         &FromVm::Reply {
                             id: 0,
-                            resp: Response::Error { message: e.to_string() },
+                            resp: Response::Error {
+                                message: e.to_string(),
+                            },
                         },
                         &[],
                     );
@@ -339,6 +441,10 @@ impl VmProcess {
             let mut g = lock(&self.link.conn);
             if g.as_ref().is_some_and(|x| Arc::ptr_eq(x, sock)) {
                 *g = None;
+            } else {
+                // Not the supervising connection (a status query, or a
+                // daemon that never adopted the process).
+                return;
             }
         }
         self.supervised.store(false, Ordering::Relaxed);
@@ -356,7 +462,27 @@ impl VmProcess {
 
     /// Whether the VM outlives its daemon (it listens for a new one).
     fn keeps_running_alone(&self) -> bool {
-        false
+        self.control_socket.is_some()
+    }
+
+    /// Accepts daemons that re-adopt the VM on its control socket; each
+    /// connection is served on a thread of its own, and becomes the one
+    /// that output goes to once it sends `Adopt`.
+    fn accept_loop(self: Arc<Self>, listener: OwnedFd) {
+        loop {
+            let c = match rustix::net::accept_with(&listener, rustix::net::SocketFlags::CLOEXEC) {
+                Ok(c) => Arc::new(c),
+                Err(rustix::io::Errno::INTR) => continue,
+                Err(e) => {
+                    tracing::warn!(vm = self.handle.name(), "control socket: {e}");
+                    return;
+                }
+            };
+            let vm = self.clone();
+            let _ = std::thread::Builder::new()
+                .name("control".into())
+                .spawn(move || vm.serve_connection(c));
+        }
     }
 
     /// Pushes console output to the current daemon, from the offset it

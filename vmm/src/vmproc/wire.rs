@@ -53,7 +53,10 @@ pub fn send<T: Serialize>(
         )));
     }
     if fds.len() > MAX_FDS {
-        return Err(WireError::Decode(format!("{} files in one message", fds.len())));
+        return Err(WireError::Decode(format!(
+            "{} files in one message",
+            fds.len()
+        )));
     }
     let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS))];
     let mut control = SendAncillaryBuffer::new(&mut space);
@@ -75,9 +78,7 @@ pub fn send<T: Serialize>(
 
 /// Receives one message and its files; `None` at end of stream (the peer
 /// closed its end: exited or dropped the connection).
-pub fn recv<T: DeserializeOwned>(
-    sock: impl AsFd,
-) -> Result<Option<(T, Vec<OwnedFd>)>, WireError> {
+pub fn recv<T: DeserializeOwned>(sock: impl AsFd) -> Result<Option<(T, Vec<OwnedFd>)>, WireError> {
     let mut buf = vec![0u8; MAX_MESSAGE];
     let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS))];
     let mut control = RecvAncillaryBuffer::new(&mut space);
@@ -109,7 +110,8 @@ pub fn recv<T: DeserializeOwned>(
             "message over the {MAX_MESSAGE}-byte limit"
         )));
     }
-    let msg = serde_json::from_slice(&buf[..r.bytes]).map_err(|e| WireError::Decode(e.to_string()))?;
+    let msg =
+        serde_json::from_slice(&buf[..r.bytes]).map_err(|e| WireError::Decode(e.to_string()))?;
     Ok(Some((msg, fds)))
 }
 
@@ -122,19 +124,35 @@ mod tests {
     fn messages_and_files_cross_a_pair() {
         let (a, b) = pair().unwrap();
         let f = std::fs::File::open("/proc/self/stat").unwrap();
-        send(&a, &ToVm { id: 7, req: Request::Stats }, &[f.as_fd()]).unwrap();
+        send(
+            &a,
+            &ToVm {
+                id: 7,
+                req: Request::Stats,
+            },
+            &[f.as_fd()],
+        )
+        .unwrap();
         let (m, fds): (ToVm, _) = recv(&b).unwrap().unwrap();
         assert_eq!(m.id, 7);
         assert!(matches!(m.req, Request::Stats));
         assert_eq!(fds.len(), 1);
         drop(a);
-        assert!(recv::<ToVm>(&b).unwrap().is_none(), "EOF once the peer is gone");
+        assert!(
+            recv::<ToVm>(&b).unwrap().is_none(),
+            "EOF once the peer is gone"
+        );
     }
 
     #[test]
     fn a_foreign_message_is_an_error() {
         let (a, b) = pair().unwrap();
-        rustix::net::send(&a, b"{\"id\":1,\"req\":\"format_disk\"}", SendFlags::empty()).unwrap();
+        rustix::net::send(
+            &a,
+            b"{\"id\":1,\"req\":\"format_disk\"}",
+            SendFlags::empty(),
+        )
+        .unwrap();
         assert!(matches!(recv::<ToVm>(&b), Err(WireError::Decode(_))));
     }
 }

@@ -74,6 +74,20 @@ pub struct SavedVm {
     pub disks: Vec<DiskRequest>,
     /// Meant to run: created or started, and not stopped, by the API.
     pub running: bool,
+    /// The VM process of its current run, if it runs in one: a daemon
+    /// started later re-adopts it by its control socket.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub process: Option<SavedProcess>,
+}
+
+/// A VM process, as the state file records it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SavedProcess {
+    /// Its pid when last seen.
+    pub pid: u32,
+    /// The run's identity, which the process reports on its socket.
+    pub nonce: String,
 }
 
 impl SavedVm {

@@ -1,0 +1,96 @@
+//! A restarted daemon and the VM processes of the last one: each VM of the
+//! state file with a process record is re-adopted by its control socket
+//! (identity: name and nonce) and booked again (scheduler, images), or
+//! listed with how its process ended. VM processes the state does not name
+//! are stopped.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+
+use super::state::StateFile;
+use super::{CpuBackend, Entry, Manager, VmRun, lock};
+use crate::handle::VmHandle;
+use crate::vmproc::adopt::{Adopted, adopt, stop_strays};
+use corral_scheduler::{Gate, VmSpec};
+
+impl Manager {
+    /// Re-adopts the VM processes of `file`'s VMs (their entries are
+    /// defined, not running, when this is called); returns the names of
+    /// those adopted.
+    pub(super) fn readopt(&self, file: &StateFile) -> BTreeSet<String> {
+        let mut adopted = BTreeSet::new();
+        let (Some(p), Some(dir)) = (&self.cfg.vm_processes, &self.cfg.state_dir) else {
+            return adopted;
+        };
+        let t0 = std::time::Instant::now();
+        for v in &file.vms {
+            let Some(rec) = &v.process else { continue };
+            let Some(old) = lock(&self.state).vms.get(&v.name).cloned() else {
+                continue;
+            };
+            let run = match adopt(
+                dir,
+                &v.name,
+                &rec.nonce,
+                rec.pid,
+                self.cfg.console_log_bytes,
+                &p.launcher,
+            ) {
+                Adopted::Running(vm, files) => {
+                    let spec = VmSpec {
+                        cap: old.request.cap,
+                        ..VmSpec::new(old.request.class.clone(), old.request.vcpus)
+                            .with_weight(old.request.weight)
+                    };
+                    if let Err(e) = self.sched().add_vm(old.id, spec) {
+                        tracing::warn!(vm = v.name, "re-adopted VM does not fit: stopping it: {e}");
+                        vm.join();
+                        continue;
+                    }
+                    self.images.book(&v.name, files.iter());
+                    if self.cfg.cpu_backend == CpuBackend::Gate {
+                        let gate = Arc::new(Gate::new());
+                        vm.relay_gate(gate.clone());
+                        self.cpu.attach(
+                            old.id,
+                            gate,
+                            vm.vcpu_tids().to_vec(),
+                            vm.device_tid().into_iter().collect(),
+                        );
+                    }
+                    adopted.insert(v.name.clone());
+                    tracing::info!(vm = v.name, pid = vm.pid(), "VM process re-adopted");
+                    VmRun::Remote(vm)
+                }
+                Adopted::Gone(reason) => {
+                    tracing::warn!(vm = v.name, "its VM process is gone: {reason}");
+                    match VmHandle::defined(&v.name, reason) {
+                        Ok(h) => VmRun::Local(h),
+                        Err(_) => continue,
+                    }
+                }
+            };
+            let reaped = !matches!(run, VmRun::Remote(_));
+            let entry = Entry::new(
+                old.id,
+                v.name.clone(),
+                old.cmdline.clone(),
+                run,
+                old.request.clone(),
+                reaped,
+            );
+            lock(&self.state)
+                .vms
+                .insert(v.name.clone(), Arc::new(entry));
+        }
+        let known: Vec<String> = adopted.iter().cloned().collect();
+        let strays = stop_strays(dir, &known);
+        tracing::info!(
+            adopted = adopted.len(),
+            strays,
+            ms = t0.elapsed().as_secs_f64() * 1e3,
+            "VM processes of the last daemon re-adopted"
+        );
+        adopted
+    }
+}

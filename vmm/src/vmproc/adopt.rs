@@ -1,0 +1,176 @@
+//! A restarted daemon takes over the VM processes that outlived the last
+//! one ([`adopt`]): by the control socket each left in the state
+//! directory, checking that the process is the run the state file names
+//! (name and nonce), getting its files back (the same open files, so the
+//! same image locks) and having its output sent from the start of what it
+//! kept.
+
+use std::os::fd::{AsFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::launcher::Launcher;
+use super::proto::{ExitRecord, FromVm, Request, Response, Status, ToVm};
+use super::remote::{RemoteVm, readable, wire_err};
+use super::wire;
+use crate::hostfile::HostFile;
+use crate::vm::{ExitReason, VmError};
+
+/// The control socket of VM `name` in state directory `dir`.
+pub fn control_socket(dir: &Path, name: &str) -> PathBuf {
+    dir.join("vms").join(format!("{name}.sock"))
+}
+
+/// Longest path of a Unix socket (`sun_path` less its NUL).
+pub const MAX_SOCKET_PATH: usize = 107;
+
+fn connect(path: &Path) -> std::io::Result<OwnedFd> {
+    use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
+    let s = rustix::net::socket_with(
+        AddressFamily::UNIX,
+        SocketType::SEQPACKET,
+        SocketFlags::CLOEXEC,
+        None,
+    )?;
+    rustix::net::connect(&s, &SocketAddrUnix::new(path)?)?;
+    Ok(s)
+}
+
+/// One request and its answer (and files), before the reader thread runs.
+fn ask(sock: &OwnedFd, id: u64, req: Request) -> Result<(Response, Vec<OwnedFd>), VmError> {
+    wire::send(sock, &ToVm { id, req }, &[]).map_err(wire_err)?;
+    loop {
+        if !readable(sock.as_fd(), Duration::from_secs(3)) {
+            return Err(wire_err("no answer"));
+        }
+        match wire::recv::<FromVm>(sock).map_err(wire_err)? {
+            Some((FromVm::Reply { id: got, resp }, fds)) if got == id => return Ok((resp, fds)),
+            Some(_) => {}
+            None => return Err(wire_err("the VM process closed the connection")),
+        }
+    }
+}
+
+/// How an adoption ended.
+#[derive(Debug)]
+pub enum Adopted {
+    /// The process runs the VM: the daemon supervises it again.
+    Running(Arc<RemoteVm>, Vec<HostFile>),
+    /// No process (or another run): how the VM ended, if known.
+    Gone(ExitReason),
+}
+
+/// Re-adopts VM `name`, run `nonce` (pid `pid` when last seen), from state
+/// directory `dir`.
+pub fn adopt(
+    dir: &Path,
+    name: &str,
+    nonce: &str,
+    pid: u32,
+    console_bytes: usize,
+    launcher: &Arc<Launcher>,
+) -> Adopted {
+    let path = control_socket(dir, name);
+    let gone = |how: String| {
+        // The record it left when it ended, if it is this run's.
+        let rec = std::fs::read(path.with_extension("exit"))
+            .ok()
+            .and_then(|d| serde_json::from_slice::<ExitRecord>(&d).ok())
+            .filter(|r| r.name == name && r.nonce == nonce);
+        let _ = std::fs::remove_file(path.with_extension("exit"));
+        Adopted::Gone(match rec {
+            Some(r) => r.reason,
+            None => ExitReason::ProcessGone { pid, how },
+        })
+    };
+    let sock = match connect(&path) {
+        Ok(s) => s,
+        Err(e) => {
+            if e.kind() == std::io::ErrorKind::ConnectionRefused {
+                let _ = std::fs::remove_file(&path);
+            }
+            return gone(format!("not running when the daemon started ({e})"));
+        }
+    };
+    let status: Status = match ask(&sock, 1, Request::Status) {
+        Ok((Response::Status(s), _)) => s,
+        Ok(_) | Err(_) => return gone("its control socket does not answer".into()),
+    };
+    if status.name != name || status.nonce != nonce {
+        tracing::warn!(
+            vm = name,
+            "the process on {} is another run ({} {}): not adopted",
+            path.display(),
+            status.name,
+            status.nonce
+        );
+        return gone("another process holds its control socket".into());
+    }
+    let files = match ask(&sock, 2, Request::Files) {
+        Ok((Response::Files(paths), fds)) if paths.len() == fds.len() => paths
+            .into_iter()
+            .zip(fds)
+            .filter_map(|(p, fd)| HostFile::from_passed(std::fs::File::from(fd), p).ok())
+            .collect(),
+        _ => Vec::new(),
+    };
+    let vm = Arc::new(RemoteVm::attach(
+        sock,
+        status,
+        files.clone(),
+        launcher.clone(),
+        console_bytes,
+    ));
+    if let Err(e) = vm.call(Request::Adopt { console_from: 0 }) {
+        vm.forget();
+        return gone(format!("adoption failed: {e}"));
+    }
+    Adopted::Running(vm, files)
+}
+
+/// VM processes in `dir` that no VM of the state file names (a create
+/// whose answer the last daemon did not live to give, a delete it did
+/// not finish): stopped, since the state does not have them.
+pub fn stop_strays(dir: &Path, known: &[String]) -> usize {
+    let Ok(rd) = std::fs::read_dir(dir.join("vms")) else {
+        return 0;
+    };
+    let mut n = 0;
+    for e in rd.flatten() {
+        let p = e.path();
+        let Some(stem) = p.file_stem().and_then(|s| s.to_str()).map(str::to_string) else {
+            continue;
+        };
+        if known.contains(&stem) {
+            continue;
+        }
+        match p.extension().and_then(|x| x.to_str()) {
+            Some("sock") => match connect(&p) {
+                Ok(s) => {
+                    tracing::warn!(
+                        vm = stem,
+                        "a VM process the state does not know: stopping it"
+                    );
+                    let _ = wire::send(
+                        &s,
+                        &ToVm {
+                            id: 0,
+                            req: Request::Stop,
+                        },
+                        &[],
+                    );
+                    n += 1;
+                }
+                Err(_) => {
+                    let _ = std::fs::remove_file(&p);
+                }
+            },
+            Some("exit") => {
+                let _ = std::fs::remove_file(&p);
+            }
+            _ => {}
+        }
+    }
+    n
+}
