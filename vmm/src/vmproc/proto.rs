@@ -13,6 +13,7 @@ use std::path::PathBuf;
 use serde::{Deserialize, Serialize};
 
 use crate::vm::ExitReason;
+use corral_devices::virtio::blk::BlockStatsSnapshot;
 
 /// The protocol's version; a VM process refuses any other.
 pub const PROTOCOL_VERSION: u32 = 1;
@@ -246,6 +247,9 @@ pub enum Response {
     Error {
         /// Why.
         message: String,
+        /// What kind of failure, for the API's status.
+        #[serde(default)]
+        kind: ErrorKind,
     },
     /// Yes or no.
     Bool(bool),
@@ -270,6 +274,48 @@ pub struct ExitRecord {
     pub nonce: String,
     /// Why it ended.
     pub reason: ExitReason,
+}
+
+/// The kinds of [`crate::vm::VmError`] the API answers differently.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorKind {
+    /// Anything else (a bad request).
+    #[default]
+    Other,
+    /// No such disk (404).
+    NoSuchDisk,
+    /// The VM has stopped (409).
+    Stopped,
+    /// The device thread did not answer in time (503), after `ms`.
+    DeviceUnresponsive,
+}
+
+impl ErrorKind {
+    /// The kind of `e`.
+    pub fn of(e: &crate::vm::VmError) -> Self {
+        use crate::vm::VmError;
+        match e {
+            VmError::NoSuchDisk(_) => Self::NoSuchDisk,
+            VmError::Stopped(_) => Self::Stopped,
+            VmError::DeviceUnresponsive { .. } => Self::DeviceUnresponsive,
+            _ => Self::Other,
+        }
+    }
+
+    /// The error for VM `vm` with `message`.
+    pub fn error(self, vm: &str, message: String) -> crate::vm::VmError {
+        use crate::vm::VmError;
+        match self {
+            Self::Other => VmError::Config(message),
+            Self::NoSuchDisk => VmError::NoSuchDisk(message),
+            Self::Stopped => VmError::Stopped(vm.to_string()),
+            Self::DeviceUnresponsive => VmError::DeviceUnresponsive {
+                vm: vm.to_string(),
+                ms: 5000,
+            },
+        }
+    }
 }
 
 /// What a VM process says about itself.
@@ -326,6 +372,64 @@ pub struct WireDisk {
     pub limits: WireLimits,
     pub group: Option<String>,
     pub stats: WireStats,
+    pub device: WireBlockStats,
+}
+
+/// The device's counters ([`BlockStatsSnapshot`]) on the wire.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+#[allow(missing_docs)]
+pub struct WireBlockStats {
+    pub read_ops: u64,
+    pub read_bytes: u64,
+    pub write_ops: u64,
+    pub write_bytes: u64,
+    pub flush_ops: u64,
+    pub other_ops: u64,
+    pub io_errors: u64,
+    pub unsupported: u64,
+    pub malformed: u64,
+    pub no_status: u64,
+    pub throttled: u64,
+    pub broken_rings: u64,
+}
+
+impl From<BlockStatsSnapshot> for WireBlockStats {
+    fn from(s: BlockStatsSnapshot) -> Self {
+        WireBlockStats {
+            read_ops: s.read_ops,
+            read_bytes: s.read_bytes,
+            write_ops: s.write_ops,
+            write_bytes: s.write_bytes,
+            flush_ops: s.flush_ops,
+            other_ops: s.other_ops,
+            io_errors: s.io_errors,
+            unsupported: s.unsupported,
+            malformed: s.malformed,
+            no_status: s.no_status,
+            throttled: s.throttled,
+            broken_rings: s.broken_rings,
+        }
+    }
+}
+
+impl From<WireBlockStats> for BlockStatsSnapshot {
+    fn from(s: WireBlockStats) -> Self {
+        BlockStatsSnapshot {
+            read_ops: s.read_ops,
+            read_bytes: s.read_bytes,
+            write_ops: s.write_ops,
+            write_bytes: s.write_bytes,
+            flush_ops: s.flush_ops,
+            other_ops: s.other_ops,
+            io_errors: s.io_errors,
+            unsupported: s.unsupported,
+            malformed: s.malformed,
+            no_status: s.no_status,
+            throttled: s.throttled,
+            broken_rings: s.broken_rings,
+        }
+    }
 }
 
 /// [`corral_blkthrottle::Stats`] on the wire.

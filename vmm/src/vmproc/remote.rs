@@ -25,7 +25,7 @@ use crate::util::lock;
 use crate::vm::{DiskStatus, ExitReason, VmError};
 
 /// How long a request waits for its reply.
-const REPLY_TIMEOUT: Duration = Duration::from_secs(5);
+const REPLY_TIMEOUT: Duration = Duration::from_secs(8);
 /// How long a new VM process may take to start its VM.
 const START_TIMEOUT: Duration = Duration::from_secs(20);
 /// How long counters are reused between reads (one snapshot of a VM reads
@@ -211,9 +211,15 @@ impl RemoteVm {
         let r = rx.recv_timeout(REPLY_TIMEOUT);
         lock(&self.inner.pending).remove(&id);
         match r {
-            Ok(Response::Error { message }) => Err(VmError::Config(message)),
+            Ok(Response::Error { message, kind }) => Err(kind.error(&self.name, message)),
             Ok(r) => Ok(r),
-            Err(_) => Err(wire_err("no answer")),
+            Err(_) if self.inner.gone.load(Ordering::Acquire) => {
+                Err(VmError::Stopped(self.name.clone()))
+            }
+            Err(_) => Err(VmError::DeviceUnresponsive {
+                vm: self.name.clone(),
+                ms: REPLY_TIMEOUT.as_millis() as u64,
+            }),
         }
     }
 
@@ -311,6 +317,7 @@ impl RemoteVm {
                 capacity_bytes: d.capacity_bytes,
                 limits: d.limits.into(),
                 stats: (&d.stats).into(),
+                device: d.device.into(),
                 group: d.group.clone(),
             })
             .collect()

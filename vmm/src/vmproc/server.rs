@@ -303,6 +303,7 @@ impl VmProcess {
                     limits: d.limits.into(),
                     group: d.group,
                     stats: (&d.stats).into(),
+                    device: d.device.into(),
                 })
                 .collect(),
             exits: exits.into_iter().map(|(k, v)| (k.to_string(), v)).collect(),
@@ -318,17 +319,22 @@ impl VmProcess {
     /// Answers one request.
     fn handle(&self, req: Request) -> Response {
         let h = &self.handle;
-        let done = |r: Result<(), String>| match r {
+        let done = |r: Result<(), crate::vm::VmError>| match r {
             Ok(()) => Response::Ok,
-            Err(message) => Response::Error { message },
+            Err(e) => Response::Error {
+                kind: super::proto::ErrorKind::of(&e),
+                message: match &e {
+                    crate::vm::VmError::NoSuchDisk(d) => d.clone(),
+                    e => e.to_string(),
+                },
+            },
         };
         match req {
             Request::Status => Response::Status(self.status()),
             Request::Stats => Response::Stats(Box::new(self.stats())),
-            Request::SetDiskLimits { disk, limits } => done(
-                h.set_disk_limits(&disk, limits.into())
-                    .map_err(|e| e.to_string()),
-            ),
+            Request::SetDiskLimits { disk, limits } => {
+                done(h.set_disk_limits(&disk, limits.into()))
+            }
             Request::SetDiskGroup { disk, group } => {
                 let g = match &group {
                     Some(g) => {
@@ -338,20 +344,21 @@ impl VmProcess {
                             Err(e) => {
                                 return Response::Error {
                                     message: e.to_string(),
+                                    kind: Default::default(),
                                 };
                             }
                         }
                     }
                     None => None,
                 };
-                done(h.set_disk_group(&disk, g).map_err(|e| e.to_string()))
+                done(h.set_disk_group(&disk, g))
             }
             Request::SetGroupLimits { name, limits } => {
                 let g = lock(&self.groups).get(&name).cloned();
                 match g {
                     Some(g) => done(
                         g.set_limits(&limits.into(), crate::util::monotonic_ns())
-                            .map_err(|e| e.to_string()),
+                            .map_err(|e| crate::vm::VmError::Config(e.to_string())),
                     ),
                     None => Response::Ok,
                 }
@@ -373,6 +380,7 @@ impl VmProcess {
             // Answered by `serve_connection` (they need the connection).
             Request::Files | Request::Adopt { .. } => Response::Error {
                 message: "not here".into(),
+                kind: Default::default(),
             },
         }
     }
@@ -423,6 +431,7 @@ impl VmProcess {
                             id: 0,
                             resp: Response::Error {
                                 message: e.to_string(),
+                                kind: Default::default(),
                             },
                         },
                         &[],
