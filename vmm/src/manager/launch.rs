@@ -181,6 +181,7 @@ impl Manager {
                         limits: g.limits().into(),
                         weight: *w,
                     }),
+                engine: d.engine.map(crate::vmproc::proto::engine_name),
             });
         }
         let spec = VmSpec {

@@ -13,7 +13,7 @@ use std::path::PathBuf;
 use serde::{Deserialize, Serialize};
 
 use crate::vm::ExitReason;
-use corral_devices::virtio::blk::BlockStatsSnapshot;
+use corral_devices::virtio::blk::{BlockStatsSnapshot, IoEngine};
 
 /// The protocol's version; a VM process refuses any other.
 pub const PROTOCOL_VERSION: u32 = 1;
@@ -96,6 +96,22 @@ pub struct DiskSpec {
     pub limits: WireLimits,
     /// Its throttle group.
     pub group: Option<GroupSpec>,
+    /// I/O engine (`sync`, `uring`); `None`: the default.
+    pub engine: Option<String>,
+}
+
+/// An engine's name on the wire.
+pub fn engine_name(e: IoEngine) -> String {
+    e.as_str().to_string()
+}
+
+/// The engine of a name on the wire (an unknown one: the default).
+pub fn engine_of(s: &str) -> Option<IoEngine> {
+    match s {
+        "sync" => Some(IoEngine::Sync),
+        "uring" => Some(IoEngine::Uring),
+        _ => None,
+    }
 }
 
 /// A throttle group of the VM process, by name, with its limits and the
@@ -373,6 +389,7 @@ pub struct WireDisk {
     pub group: Option<String>,
     pub stats: WireStats,
     pub device: WireBlockStats,
+    pub engine: String,
 }
 
 /// The device's counters ([`BlockStatsSnapshot`]) on the wire.

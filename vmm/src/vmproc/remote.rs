@@ -318,6 +318,8 @@ impl RemoteVm {
                 limits: d.limits.into(),
                 stats: (&d.stats).into(),
                 device: d.device.into(),
+                engine: super::proto::engine_of(&d.engine)
+                    .unwrap_or(corral_devices::virtio::blk::IoEngine::Sync),
                 group: d.group.clone(),
             })
             .collect()

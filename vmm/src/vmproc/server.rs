@@ -129,6 +129,7 @@ pub fn run(sock: OwnedFd, builtin: Arc<[u8]>) -> Result<i32, VmProcessError> {
             limits: d.limits.into(),
             group,
             file: Some(take(&d.file)?),
+            engine: d.engine.as_deref().and_then(super::proto::engine_of),
         });
     }
     let sched_gate = spec.sched_gate.then(|| Arc::new(Gate::new()));
@@ -304,6 +305,7 @@ impl VmProcess {
                     group: d.group,
                     stats: (&d.stats).into(),
                     device: d.device.into(),
+                    engine: super::proto::engine_name(d.engine),
                 })
                 .collect(),
             exits: exits.into_iter().map(|(k, v)| (k.to_string(), v)).collect(),
