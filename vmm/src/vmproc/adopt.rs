@@ -25,7 +25,8 @@ pub fn control_socket(dir: &Path, name: &str) -> PathBuf {
 /// Longest path of a Unix socket (`sun_path` less its NUL).
 pub const MAX_SOCKET_PATH: usize = 107;
 
-fn connect(path: &Path) -> std::io::Result<OwnedFd> {
+/// Connects to a VM process's control socket.
+pub fn connect(path: &Path) -> std::io::Result<OwnedFd> {
     use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
     let s = rustix::net::socket_with(
         AddressFamily::UNIX,
