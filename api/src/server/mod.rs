@@ -92,6 +92,15 @@ pub struct ServeArgs {
     /// and the next daemon on the state directory re-adopts them.
     #[arg(long)]
     pub shutdown_vms_on_exit: bool,
+    /// The uids of jailed VM processes, `BASE:COUNT`: each VM process runs
+    /// as a uid (and gid) of its own from this range, one no process on the
+    /// host runs as (see README, "The VM process's jail").
+    #[arg(long, default_value = "3221225472:65536", value_parser = parse_uid_range)]
+    pub jail_uids: corral_vmm::jail::UidRange,
+    /// Do not jail the VM processes (for debugging): they run as root with
+    /// the daemon's view of the host.
+    #[arg(long)]
+    pub no_jail: bool,
     /// Start again the VMs of the state file that were running (created
     /// or started and not stopped) when the daemon last ran. Off: every VM
     /// is reloaded stopped and `start` runs it.
@@ -278,6 +287,14 @@ pub fn serve(args: ServeArgs, builtin: Arc<[u8]>) -> Result<(), ServeError> {
                 .map_err(io("starting the VM process launcher"))?,
             seccomp: !args.no_seccomp,
             keep_running: !args.shutdown_vms_on_exit,
+            jail: if args.no_jail {
+                None
+            } else {
+                Some(std::sync::Arc::new(
+                    corral_vmm::jail::UidPool::new(args.jail_uids)
+                        .map_err(|e| ServeError::Config(e.to_string()))?,
+                ))
+            },
         })
     } else {
         None
@@ -440,4 +457,8 @@ async fn run(args: &ServeArgs, group: Option<u32>, mgr: Arc<Manager>) -> Result<
         tracing::warn!("some connections did not close in time; exiting anyway");
     }
     Ok(stopped)
+}
+
+fn parse_uid_range(s: &str) -> Result<corral_vmm::jail::UidRange, String> {
+    corral_vmm::jail::UidRange::parse(s).map_err(|e| e.to_string())
 }

@@ -184,6 +184,15 @@ impl Manager {
                 engine: d.engine.map(crate::vmproc::proto::engine_name),
             });
         }
+        // A uid no process runs as; the lease ends with this call, when the
+        // VM process already runs as it (it jails itself before `Started`).
+        let lease = match &p.jail {
+            Some(pool) => Some(
+                pool.take()
+                    .map_err(|e| ManagerError::Invalid(e.to_string()))?,
+            ),
+            None => None,
+        };
         let spec = VmSpec {
             name: cfg.name.clone(),
             nonce: format!("{:016x}", rand_nonce()),
@@ -198,11 +207,15 @@ impl Manager {
             sched_gate: self.cfg.cpu_backend == CpuBackend::Gate,
             seccomp: p.seccomp,
             control_socket: self.control_socket(&cfg.name),
+            jail: lease
+                .as_ref()
+                .map(|l| crate::vmproc::proto::JailParams { uid: l.uid() }),
         };
         let borrowed: Vec<_> = fds.iter().map(|f| f.file().as_fd()).collect();
         // In a session of its own when it may outlive the daemon.
         let setsid = spec.control_socket.is_some();
         let vm = RemoteVm::start(&p.launcher, spec, &borrowed, keep, setsid)?;
+        drop(lease);
         Ok(Arc::new(vm))
     }
 }

@@ -26,6 +26,9 @@ pub struct VmProcesses {
     /// started later on the state directory re-adopts them. Off
     /// (`--shutdown-vms-on-exit`): the daemon stops them when it exits.
     pub keep_running: bool,
+    /// Jail each VM process ([`crate::jail`]) with a uid of its own from
+    /// this pool; `None`: not jailed (`--no-jail`).
+    pub jail: Option<Arc<crate::jail::UidPool>>,
 }
 
 /// A VM's run: threads of this process, or a process of its own.

@@ -68,6 +68,18 @@ pub struct VmSpec {
     pub seccomp: bool,
     /// Listen here for a daemon that re-adopts the process (0600).
     pub control_socket: Option<PathBuf>,
+    /// Jail the process ([`crate::jail`]) before it touches guest data;
+    /// `None`: not jailed (`corral serve --no-jail`).
+    #[serde(default)]
+    pub jail: Option<JailParams>,
+}
+
+/// How a VM process jails itself.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JailParams {
+    /// Its uid and gid (one per VM, from the daemon's `--jail-uids`).
+    pub uid: u32,
 }
 
 /// A file passed with the configuration.

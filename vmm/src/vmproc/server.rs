@@ -134,13 +134,68 @@ pub fn run(sock: OwnedFd, builtin: Arc<[u8]>) -> Result<i32, VmProcessError> {
     }
     let sched_gate = spec.sched_gate.then(|| Arc::new(Gate::new()));
     cfg.sched_gate = sched_gate.clone();
+    // The control socket and the exit record are the process's only paths
+    // on the host: made before the jail, used by fd after it.
+    let listener = match &spec.control_socket {
+        Some(path) => match listen(path) {
+            Ok(l) => Some(l),
+            Err(e) => {
+                let message = format!("control socket {}: {e}", path.display());
+                let _ = wire::send(
+                    &sock,
+                    &FromVm::StartFailed {
+                        message: message.clone(),
+                    },
+                    &[],
+                );
+                return Err(VmProcessError::Config(message));
+            }
+        },
+        None => None,
+    };
+    let mut exit_file = None;
+    let kvm = match &spec.jail {
+        Some(j) => {
+            exit_file = spec
+                .control_socket
+                .as_ref()
+                .and_then(|p| open_exit_record(&p.with_extension("exit")));
+            // No pid namespace: the daemon addresses this process and its
+            // threads by the pid and tids it reports (its CPU clocks in
+            // /proc/TID, kicks), which a pid namespace would renumber
+            // (jail::host_view maps them, for when the daemon uses it).
+            let ns = crate::jail::Namespaces {
+                pid: false,
+                ..Default::default()
+            };
+            match crate::jail::enter_vm(&cfg, j.uid, ns) {
+                Ok(k) => Some(k),
+                Err(e) => {
+                    let message = e.to_string();
+                    let _ = wire::send(
+                        &sock,
+                        &FromVm::StartFailed {
+                            message: message.clone(),
+                        },
+                        &[],
+                    );
+                    return Err(VmProcessError::Config(message));
+                }
+            }
+        }
+        None => None,
+    };
     if spec.seccomp {
         crate::seccomp::enable()
             .and_then(|()| crate::seccomp::check_all())
             .and_then(|()| crate::seccomp::install(crate::seccomp::ThreadKind::Runtime))
             .map_err(|e| VmProcessError::Config(e.to_string()))?;
     }
-    let handle = match crate::builder::start(&cfg) {
+    let started = match &kvm {
+        Some(k) => crate::builder::start_with_kvm(&cfg, k),
+        None => crate::builder::start(&cfg),
+    };
+    let handle = match started {
         Ok(h) => h,
         Err(e) => {
             let message = e.to_string();
@@ -167,25 +222,6 @@ pub fn run(sock: OwnedFd, builtin: Arc<[u8]>) -> Result<i32, VmProcessError> {
         supervised: AtomicBool::new(true),
         control_socket: spec.control_socket.clone(),
     });
-    let listener = match &spec.control_socket {
-        Some(path) => match listen(path) {
-            Ok(l) => Some(l),
-            Err(e) => {
-                let message = format!("control socket {}: {e}", path.display());
-                vm.handle.stop();
-                vm.handle.join();
-                let _ = wire::send(
-                    &*sock,
-                    &FromVm::StartFailed {
-                        message: message.clone(),
-                    },
-                    &[],
-                );
-                return Err(VmProcessError::Config(message));
-            }
-        },
-        None => None,
-    };
     vm.link.send(&FromVm::Started(vm.status()));
     if let Some(l) = listener {
         let vm = vm.clone();
@@ -222,7 +258,18 @@ pub fn run(sock: OwnedFd, builtin: Arc<[u8]>) -> Result<i32, VmProcessError> {
             reason: reason.clone(),
         };
         if let Ok(data) = serde_json::to_vec(&rec) {
-            let _ = std::fs::write(path.with_extension("exit"), data);
+            match &exit_file {
+                // Jailed: the path is out of reach; the file was opened
+                // before the jail. The socket stays (a daemon that finds
+                // it refusing connections removes it and reads this).
+                Some(f) => {
+                    use std::io::Write;
+                    let _ = (&*f).write_all(&data);
+                }
+                None => {
+                    let _ = std::fs::write(path.with_extension("exit"), data);
+                }
+            }
         }
         let _ = std::fs::remove_file(path);
     }
@@ -231,6 +278,21 @@ pub fn run(sock: OwnedFd, builtin: Arc<[u8]>) -> Result<i32, VmProcessError> {
         stats: Box::new(vm.stats()),
     });
     Ok(0)
+}
+
+/// The exit record's file, created empty (0600) before the jail: a jailed
+/// process writes its record through this fd when its VM ends.
+fn open_exit_record(path: &std::path::Path) -> Option<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(path)
+        .map_err(|e| tracing::warn!(path = %path.display(), "exit record: {e}"))
+        .ok()
 }
 
 /// Listens on `path` (SOCK_SEQPACKET, mode 0600), replacing a stale file.
