@@ -105,11 +105,7 @@ fn serve_jails_each_vm_process() {
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
         .collect();
     root.sort();
-    assert_eq!(
-        root,
-        ["dev", "disk-data"],
-        "built-in kernel: no kernel file"
-    );
+    assert_eq!(root, ["data", "dev"], "built-in kernel: no kernel file");
     // The VM runs and its disk works, jailed and under its filters.
     let done = wait_until(T, || {
         let c = d.req("GET", "/v1/vms/jailed/console", None).text();
