@@ -290,6 +290,7 @@ pub fn serve(args: ServeArgs, builtin: Arc<[u8]>) -> Result<(), ServeError> {
             jail: if args.no_jail {
                 None
             } else {
+                check_jail_namespaces()?;
                 Some(std::sync::Arc::new(
                     corral_vmm::jail::UidPool::new(args.jail_uids)
                         .map_err(|e| ServeError::Config(e.to_string()))?,
@@ -457,6 +458,23 @@ async fn run(args: &ServeArgs, group: Option<u32>, mgr: Arc<Manager>) -> Result<
         tracing::warn!("some connections did not close in time; exiting anyway");
     }
     Ok(stopped)
+}
+
+/// The namespaces a VM process's jail makes (`corral vmm` uses no pid
+/// namespace), tried at start-up: a host that refuses one stops the daemon
+/// here with the reason, not every VM at its start.
+fn check_jail_namespaces() -> Result<(), ServeError> {
+    use corral_vmm::jail::NsKind;
+    for k in [NsKind::Mount, NsKind::Ipc, NsKind::Net, NsKind::Uts] {
+        if let Err(e) = corral_vmm::jail::probe(k) {
+            return Err(ServeError::Config(format!(
+                "the VM processes' jail needs a {} namespace, which this host refuses ({e}); \
+                 --no-jail runs them unjailed",
+                k.as_str()
+            )));
+        }
+    }
+    Ok(())
 }
 
 fn parse_uid_range(s: &str) -> Result<corral_vmm::jail::UidRange, String> {
