@@ -3,7 +3,16 @@
 //! ```sh
 //! cargo build --release -p corral-api -p corral-bench
 //! target/x86_64-unknown-linux-gnu/release/blkbench [RUNS] [--pairs N] [--poll-ab US]
+//! target/x86_64-unknown-linux-gnu/release/blkbench --engines N
 //! ```
+//!
+//! `--engines N` compares the disk engines only: for page-cache and
+//! O_DIRECT files, reads and writes, 4 KiB and 128 KiB, queue depth 1, 4
+//! and 32, N VMs each with four disks `sync`/`uring`/`uring`/`sync` (ABBA,
+//! so a drift inside the run cancels) running the job on each in turn
+//! (`probe.disks=all`); reported: the sync time (median over VMs of the
+//! mean of its two disks) and the ratio uring/sync (median, and mean ± 95 %
+//! interval of the per-VM ratios).
 //!
 //! Host page cache warm (the disk file is written and read once first);
 //! median of RUNS (default 5) per job. Then, with `--poll-ab US`, each job
@@ -118,6 +127,10 @@ fn main() {
         match a.as_str() {
             "--pairs" => npairs = num("--pairs").max(1) as usize,
             "--poll-ab" => poll_ab = Some(num("--poll-ab")),
+            "--engines" => {
+                engines(num("--engines").max(1) as usize);
+                return;
+            }
             n => {
                 runs = n
                     .parse()
@@ -228,6 +241,64 @@ fn main() {
             (m - 1.0) * 100.0,
             ci * 100.0
         );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `--engines N`: sync against uring, ABBA disks inside each VM.
+fn engines(n: usize) {
+    let dir = std::env::temp_dir().join(format!("corral-blkbench-eng-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    // Four files (a writable image has one user), written so that reads
+    // find data, and read once so the page-cache runs start warm.
+    let imgs: Vec<String> = (0..4)
+        .map(|i| {
+            let p = dir.join(format!("d{i}.img"));
+            std::fs::write(&p, vec![0x5au8; 40 << 20]).unwrap();
+            let _ = std::fs::read(&p).unwrap();
+            p.display().to_string()
+        })
+        .collect();
+    println!("virtio-blk engines, {n} VMs per job, disks sync/uring/uring/sync in each VM:");
+    for direct in ["", ",direct"] {
+        for op in ["read", "write"] {
+            for (bs, size) in [("4K", "8M"), ("128K", "32M")] {
+                for qd in [1, 4, 32] {
+                    let disks: Vec<String> = ["sync", "uring", "uring", "sync"]
+                        .iter()
+                        .zip(&imgs)
+                        .map(|(e, img)| format!("{img}{direct},engine={e}"))
+                        .collect();
+                    let refs: Vec<&str> = disks.iter().map(String::as_str).collect();
+                    let probe = format!(
+                        "probe.mode=blk probe.disks=all probe.op={op} probe.size={size} probe.bs={bs} probe.qd={qd}"
+                    );
+                    let (mut sync_ms, mut r) = (Vec::new(), Vec::new());
+                    for _ in 0..n {
+                        let us: Vec<f64> = run_vm(&refs, &probe, None)
+                            .into_iter()
+                            .map(|(_, us)| us)
+                            .collect();
+                        assert_eq!(us.len(), 4, "one result per disk: {us:?}");
+                        sync_ms.push((us[0] + us[3]) / 2000.0);
+                        r.push((us[1] + us[2]) / (us[0] + us[3]));
+                    }
+                    let (m, ci) = mean_ci(&r);
+                    let kind = if direct.is_empty() {
+                        "cache "
+                    } else {
+                        "direct"
+                    };
+                    println!(
+                        "  {kind} {op:5} {bs:>4} qd {qd:2} ({size:>3}): sync {:8.2} ms, uring/sync median {:.3}, mean {:.3} ± {:.3}",
+                        median(&mut sync_ms),
+                        median(&mut r),
+                        m,
+                        ci
+                    );
+                }
+            }
+        }
     }
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -1,24 +1,21 @@
 //! File-backed raw disk: the I/O backend of virtio-blk.
 //!
-//! # Choice of backend: synchronous `preadv`/`pwritev` on the device thread
+//! # Two engines over one file type
 //!
-//! Each request becomes one `preadv`/`pwritev` whose iovecs point straight
-//! into guest memory (host addresses obtained from vm-memory, each segment
-//! checked to lie inside a guest memory region): no copy in the VMM, one
-//! system call per request whatever its number of segments.
+//! The synchronous engine makes each request one `preadv`/`pwritev` whose
+//! iovecs point straight into guest memory (host addresses obtained from
+//! vm-memory, each segment checked to lie inside a guest memory region): no
+//! copy in the VMM, one system call per request whatever its number of
+//! segments. The io_uring engine (`uring.rs`) takes the same iovecs from
+//! [`DiskFile::uring_iov`] and submits them instead, many at a time; what it
+//! does not take (bounced requests, discard, write-zeroes) runs here.
 //!
-//! Why not io_uring: the workloads this VMM is judged on read and write a
-//! raw image that sits in the host page cache. There a read or write is a
-//! `memcpy` inside the kernel (~10 µs per 128 KiB here, see the
-//! `bench_read_32m` test), which io_uring performs too — inline in
-//! `io_uring_enter` or on an io-wq worker — and then adds its submission and
-//! completion bookkeeping, the eventfd wake-up of the device thread and a
-//! crate dependency with its own `unsafe` surface. The system call itself
-//! costs ~1 µs against the copy. io_uring would win with `O_DIRECT` on a real
-//! device at high queue depth (overlapping device latency), which is not this
-//! project's benchmark; the backend is one type with five methods, so an
-//! io_uring variant can be added behind the same interface if a workload
-//! needs it. (No io_uring crate is vendored here either.)
+//! For a raw image in the host page cache a read or write is a `memcpy`
+//! inside the kernel (~10 µs per 128 KiB here), which io_uring performs too
+//! (inline in `io_uring_enter` or on an io-wq worker), so the engines are
+//! close there; io_uring wins where the device's latency can be overlapped:
+//! `direct` (O_DIRECT) disks at queue depth > 1, where the synchronous
+//! `preadv` serialises the queue (BENCHMARKS.md, `blkbench --engines`).
 //!
 //! # O_DIRECT
 //!
