@@ -24,8 +24,12 @@ impl MutEventSubscriber for Block {
                     let _ = u.eventfd().read();
                 }
                 // Completes what finished, then serves (and polls) the queue:
-                // a driver refills it as completions arrive.
-                self.process_queue_polling();
+                // a driver refills it as completions arrive. A wake-up for
+                // completions already reaped does nothing.
+                if self.reap() {
+                    self.notify_used();
+                    self.process_queue_polling();
+                }
             }
             other => tracing::warn!("virtio-blk: unexpected event token {other}"),
         }

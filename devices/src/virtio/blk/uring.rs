@@ -235,6 +235,11 @@ impl Uring {
             }
         }
         self.queued = self.ring.submission().len();
+        // The completions posted inside the submit (page-cache hits) are
+        // reaped by the caller right away; clear their eventfd signal first
+        // (a completion posted after this read signals it again), so the
+        // device thread does not wake for them a second time.
+        let _ = self.efd.read();
     }
 
     /// Whether completions are waiting to be reaped.
