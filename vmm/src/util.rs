@@ -40,6 +40,17 @@ pub fn raise_priority() {
     }
 }
 
+/// Gives the calling thread nice 0 (raising a thread's nice needs no
+/// privilege). A vCPU thread starts with it: it inherits its creator's
+/// nice, and a creator may have raised its own priority.
+pub fn normal_priority() {
+    // SAFETY: setpriority on our own thread id; failure is harmless.
+    unsafe {
+        let tid = libc::gettid();
+        let _ = libc::setpriority(libc::PRIO_PROCESS, tid as libc::id_t, 0);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

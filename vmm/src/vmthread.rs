@@ -45,6 +45,11 @@ pub(crate) fn spawn(
                     fault,
                 });
             };
+            if kind == ThreadKind::Vcpu {
+                // A vCPU runs at nice 0 even when its creator took a higher
+                // priority (a `corral vmm` process's main thread does).
+                crate::util::normal_priority();
+            }
             let installed = seccomp::install(kind);
             crate::boottrace::step(match kind {
                 ThreadKind::Vcpu => "vcpu-seccomp",

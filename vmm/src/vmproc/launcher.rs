@@ -25,8 +25,9 @@ pub const CHILD_FD: i32 = 3;
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "snake_case")]
 enum LauncherReq {
-    /// Start `corral vmm` for VM `name` with the passed socket; in a new
-    /// session if `setsid`.
+    /// Start `corral vmm` for VM `name` with the passed socket; if `setsid`
+    /// (it may outlive the daemon) in a process group of its own, with
+    /// SIGHUP ignored (the daemon's session is kept: see `spawn`).
     Spawn {
         name: String,
         setsid: bool,
@@ -308,15 +309,27 @@ pub fn launcher_main() -> i32 {
                         if let Some(s) = &socket {
                             cmd.arg("--socket").arg(s);
                         }
+                        // A VM that may outlive the daemon gets a process
+                        // group of its own (no signal to the daemon's group
+                        // reaches it) and ignores SIGHUP (a closing
+                        // terminal), but stays in the daemon's session: a
+                        // new session would be a new scheduler autogroup
+                        // (`kernel.sched_autogroup_enabled`), which CFS
+                        // weighs as one task against everything else, and
+                        // the shares would no longer hold beside an outside
+                        // load (3:1 became 71:29 with a busy loop).
                         // SAFETY: only async-signal-safe calls between fork
-                        // and exec: dup2 onto CHILD_FD and setsid.
+                        // and exec: dup2 onto CHILD_FD, setpgid, signal.
                         unsafe {
                             cmd.pre_exec(move || {
                                 if libc::dup2(raw, CHILD_FD) < 0 {
                                     return Err(std::io::Error::last_os_error());
                                 }
-                                if setsid && libc::setsid() < 0 {
-                                    return Err(std::io::Error::last_os_error());
+                                if setsid {
+                                    if libc::setpgid(0, 0) < 0 {
+                                        return Err(std::io::Error::last_os_error());
+                                    }
+                                    libc::signal(libc::SIGHUP, libc::SIG_IGN);
                                 }
                                 Ok(())
                             });

@@ -527,6 +527,9 @@ impl RemoteVm {
         let t = std::thread::Builder::new()
             .name(format!("relay-{}", self.pid))
             .spawn(move || {
+                // A hop between the scheduler thread and the vCPUs: it must
+                // wake on time beside busy vCPUs and outside loads.
+                crate::util::raise_priority();
                 let mut sent = false;
                 loop {
                     if g.is_shutdown() {

@@ -153,6 +153,14 @@ pub fn run(sock: OwnedFd, builtin: Arc<[u8]>) -> Result<i32, VmProcessError> {
         },
         None => None,
     };
+    // The threads of this process that must wake on time beside busy vCPUs
+    // and outside loads (the device thread; the control thread that carries
+    // the daemon's park and unpark) are started by this thread and inherit
+    // its nice, which only a privileged process can lower: take nice -10
+    // now, before the jail drops the privilege. The vCPU threads go back to
+    // nice 0 as they start (`vmthread::spawn`), so the guest's own work
+    // competes with the host's at the normal weight.
+    crate::util::raise_priority();
     let mut exit_file = None;
     let kvm = match &spec.jail {
         Some(j) => {
@@ -451,6 +459,10 @@ impl VmProcess {
 
     /// Reads requests from one daemon connection until it closes.
     fn serve_connection(&self, sock: Arc<OwnedFd>) {
+        // Park and unpark from the daemon's scheduler arrive here: this
+        // thread must wake on time beside busy vCPUs (RLIMIT_NICE allows it
+        // in the jail).
+        crate::util::raise_priority();
         loop {
             match wire::recv::<ToVm>(sock.as_fd()) {
                 Ok(Some((m, _))) => {
