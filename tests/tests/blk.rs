@@ -213,12 +213,13 @@ fn flushed_writes_survive_sigkill_on(engine: &str, direct: &str) {
 }
 
 /// `engine=` per disk in the API; `GET /v1/vms/{name}` reports the engine
-/// serving each disk (the default: uring, where the kernel has io_uring).
+/// serving each disk (the default: uring for a `direct` disk where the
+/// kernel has io_uring, sync for a buffered one).
 #[test]
 fn engine_is_chosen_per_disk_and_reported() {
     use corral_tests::api::{Daemon, wait_until};
     let d = Daemon::start(&[]);
-    let imgs: Vec<_> = (0..3).map(|i| d.image_path(&format!("e{i}.img"))).collect();
+    let imgs: Vec<_> = (0..4).map(|i| d.image_path(&format!("e{i}.img"))).collect();
     for img in &imgs {
         std::fs::write(img, vec![0u8; 1 << 20]).unwrap();
     }
@@ -228,7 +229,8 @@ fn engine_is_chosen_per_disk_and_reported() {
         "disks": [
             {"id": "s", "path": imgs[0], "engine": "sync"},
             {"id": "u", "path": imgs[1], "engine": "uring"},
-            {"id": "dflt", "path": imgs[2]}
+            {"id": "dflt", "path": imgs[2]},
+            {"id": "dflt-direct", "path": imgs[3], "direct": true}
         ]
     });
     let r = d.req("POST", "/v1/vms", Some(&body.to_string()));
@@ -238,8 +240,11 @@ fn engine_is_chosen_per_disk_and_reported() {
         v["disks"][0]["stats"].is_object().then_some(v)
     })
     .expect("disks attached");
-    let engines: Vec<_> = (0..3).map(|i| v["disks"][i]["engine"].clone()).collect();
-    assert_eq!(engines, ["sync", "uring", "uring"], "{v}");
+    let engines: Vec<_> = (0..4).map(|i| v["disks"][i]["engine"].clone()).collect();
+    let uring = std::fs::read_to_string("/proc/sys/kernel/io_uring_disabled")
+        .map_or(true, |v| v.trim() == "0");
+    let direct_default = if uring { "uring" } else { "sync" };
+    assert_eq!(engines, ["sync", "uring", "sync", direct_default], "{v}");
     let bad = serde_json::json!({
         "name": "eng2", "disks": [{"path": imgs[0], "engine": "aio"}]
     });

@@ -110,7 +110,9 @@ fn main() {
             path: f.path().to_path_buf(),
             read_only,
             direct: false,
-            engine: None,
+            // The io_uring engine must work jailed: asked for where the
+            // kernel has it (a buffered disk's default is sync).
+            engine: Some(corral_vmm::manager::IoEngine::auto()),
             limits: Default::default(),
             group: None,
             file: Some(f),

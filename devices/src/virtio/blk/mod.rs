@@ -100,7 +100,8 @@ const RING_TOKEN: u32 = u32::MAX - 1;
 pub struct BlockOptions {
     /// Serial returned by `GET_ID` (truncated to 20 bytes).
     pub serial: String,
-    /// I/O engine; `None`: [`IoEngine::auto`].
+    /// I/O engine; `None`: [`IoEngine::auto_for`] the disk (uring for a
+    /// `direct` disk where the kernel supports it, else sync).
     pub engine: Option<IoEngine>,
 }
 
@@ -219,7 +220,8 @@ impl Block {
         put(52, &MAX_DISCARD_SEG.to_le_bytes());
         put(56, &[1]); // write_zeroes_may_unmap
 
-        let uring = match opts.engine.unwrap_or_else(IoEngine::auto) {
+        let direct = disk.direct();
+        let uring = match opts.engine.unwrap_or_else(|| IoEngine::auto_for(direct)) {
             IoEngine::Sync => None,
             IoEngine::Uring => match uring::Uring::new() {
                 Ok(u) => Some(u),
