@@ -400,65 +400,8 @@ pub struct WireDisk {
     pub limits: WireLimits,
     pub group: Option<String>,
     pub stats: WireStats,
-    pub device: WireBlockStats,
+    pub device: BlockStatsSnapshot,
     pub engine: String,
-}
-
-/// The device's counters ([`BlockStatsSnapshot`]) on the wire.
-#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-#[allow(missing_docs)]
-pub struct WireBlockStats {
-    pub read_ops: u64,
-    pub read_bytes: u64,
-    pub write_ops: u64,
-    pub write_bytes: u64,
-    pub flush_ops: u64,
-    pub other_ops: u64,
-    pub io_errors: u64,
-    pub unsupported: u64,
-    pub malformed: u64,
-    pub no_status: u64,
-    pub throttled: u64,
-    pub broken_rings: u64,
-}
-
-impl From<BlockStatsSnapshot> for WireBlockStats {
-    fn from(s: BlockStatsSnapshot) -> Self {
-        WireBlockStats {
-            read_ops: s.read_ops,
-            read_bytes: s.read_bytes,
-            write_ops: s.write_ops,
-            write_bytes: s.write_bytes,
-            flush_ops: s.flush_ops,
-            other_ops: s.other_ops,
-            io_errors: s.io_errors,
-            unsupported: s.unsupported,
-            malformed: s.malformed,
-            no_status: s.no_status,
-            throttled: s.throttled,
-            broken_rings: s.broken_rings,
-        }
-    }
-}
-
-impl From<WireBlockStats> for BlockStatsSnapshot {
-    fn from(s: WireBlockStats) -> Self {
-        BlockStatsSnapshot {
-            read_ops: s.read_ops,
-            read_bytes: s.read_bytes,
-            write_ops: s.write_ops,
-            write_bytes: s.write_bytes,
-            flush_ops: s.flush_ops,
-            other_ops: s.other_ops,
-            io_errors: s.io_errors,
-            unsupported: s.unsupported,
-            malformed: s.malformed,
-            no_status: s.no_status,
-            throttled: s.throttled,
-            broken_rings: s.broken_rings,
-        }
-    }
 }
 
 /// [`corral_blkthrottle::Stats`] on the wire.

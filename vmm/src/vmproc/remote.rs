@@ -317,7 +317,7 @@ impl RemoteVm {
                 capacity_bytes: d.capacity_bytes,
                 limits: d.limits.into(),
                 stats: (&d.stats).into(),
-                device: d.device.into(),
+                device: d.device,
                 engine: super::proto::engine_of(&d.engine)
                     .unwrap_or(corral_devices::virtio::blk::IoEngine::Sync),
                 group: d.group.clone(),

@@ -374,7 +374,7 @@ impl VmProcess {
                     limits: d.limits.into(),
                     group: d.group,
                     stats: (&d.stats).into(),
-                    device: d.device.into(),
+                    device: d.device,
                     engine: super::proto::engine_name(d.engine),
                 })
                 .collect(),

@@ -36,8 +36,14 @@ pub struct BlockStats {
     pub broken_rings: AtomicU64,
 }
 
-/// A snapshot of [`BlockStats`].
+/// A snapshot of [`BlockStats`]; with the `serde` feature also the VM
+/// process protocol's form of a disk's device counters.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(
+    feature = "serde",
+    derive(serde::Serialize, serde::Deserialize),
+    serde(deny_unknown_fields)
+)]
 pub struct BlockStatsSnapshot {
     /// Completed `IN` requests.
     pub read_ops: u64,
