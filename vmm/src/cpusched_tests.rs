@@ -329,9 +329,15 @@ fn a_vm_process_busy_vcpu_is_seen_by_host_tid() {
         .args(["-c", "while :; do :; done"])
         .spawn()
         .unwrap();
+    // The second "vCPU" sleeps throughout. (It used to be pid 1, which is
+    // not idle on every host: CI's init ran enough to count as busy once.)
+    let mut sleeper = std::process::Command::new("sleep")
+        .arg("30")
+        .spawn()
+        .unwrap();
     let pid = child.id() as libc::pid_t;
-    // Two "vCPUs": the spinning thread, and a tid that is not the VM's.
-    cpu.attach_process(VmId(1), gate, pid, 2, vec![pid, 1]);
+    let idle = sleeper.id() as libc::pid_t;
+    cpu.attach_process(VmId(1), gate, pid, 2, vec![pid, idle]);
     let mut seen = 0;
     for _ in 0..20 {
         std::thread::sleep(Duration::from_millis(10));
@@ -340,5 +346,7 @@ fn a_vm_process_busy_vcpu_is_seen_by_host_tid() {
     }
     let _ = child.kill();
     let _ = child.wait();
+    let _ = sleeper.kill();
+    let _ = sleeper.wait();
     assert_eq!(seen, 1, "one spinning vCPU thread");
 }
