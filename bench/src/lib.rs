@@ -31,6 +31,7 @@ mod linux;
 mod overhead;
 mod plot;
 mod report;
+mod rounds;
 mod runner;
 mod stats;
 mod throttle;
@@ -165,11 +166,17 @@ pub struct OverheadArgs {
 pub struct InterferenceArgs {
     #[command(flatten)]
     common: CommonArgs,
-    /// Rounds over all scenarios: a fixed number. Without it, rounds go on
-    /// (at least 3) until every slowdown's 95 % interval is within --target,
-    /// or until --budget is spent (1 round with --quick).
+    /// Rounds of the headline scenarios (alone, CPU hog 3:1, I/O hog 3:1 +
+    /// limit, for each victim): a fixed number. Without it, each victim's
+    /// rounds go on (at least 3) until its headline slowdowns' 95 %
+    /// intervals are within --target, or until --budget is spent (1 round
+    /// with --quick).
     #[arg(long)]
     runs: Option<u32>,
+    /// Rounds (the first ones) that also run the comparison scenarios
+    /// (manager off, equal classes) for the table.
+    #[arg(long, default_value_t = 1)]
+    compare_runs: u32,
     /// The slowdowns' 95 % interval half-width to reach, in percent.
     #[arg(long, default_value_t = 5.0)]
     target: f64,

@@ -14,6 +14,7 @@ use corral_vmm::manager::{CpuBackend, Limits, Manager};
 use super::linux::{self, Plan};
 use super::plot::{self, Panel, Series};
 use super::report::{Csv, OutDir, Report, SUMMARY_HEADER, Table, summary_cells};
+use super::rounds::{self, Next, Progress};
 use super::runner::{self, Job, JobResult, Scratch};
 use super::stats::{RatioCi, Summary, diff_pct};
 use super::{BenchError, JobKind, OverheadArgs, Sizes};
@@ -34,6 +35,8 @@ struct Sample {
     run: u32,
     r: JobResult,
     sched_cpu_s: f64,
+    /// Seconds the whole run took (`run_job`: create, job, teardown).
+    secs: f64,
 }
 
 /// Runs it; returns the output directory and the report.
@@ -59,8 +62,9 @@ pub fn run(a: OverheadArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String), Be
         )));
     }
     // Fixed rounds (--runs, or 2 with --quick), else adaptive: at least
-    // MIN_ROUNDS, then until every interval is within --target or the
-    // budget is spent.
+    // MIN_ROUNDS, then each job until its intervals are within --target
+    // (a settled job stops: the rounds left go to the one that swings), or
+    // until the budget is spent.
     const MIN_ROUNDS: u32 = 5;
     let fixed = a.runs.map(|r| r.max(1)).or(quick.then_some(2));
     let budget = a.budget.unwrap_or(Duration::from_secs(15 * 60));
@@ -76,41 +80,6 @@ pub fn run(a: OverheadArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String), Be
     };
     let disk = scratch.filled("disk0.img", disk_bytes)?;
     let timeout = Duration::from_secs(if quick { 60 } else { 600 });
-
-    let mut cpu_job = Job::work(sz.cpu_units, sz.unit_iters, 1).with_disk(&disk, Limits::default());
-    let mut io_job =
-        Job::blk_read(&disk, Limits::default(), sz.io_bytes, sz.io_bs, 4).with_wait(a.probe_wait);
-    // Size the probe jobs to --job-secs of guest time from one run each.
-    let mut sizing = Vec::new();
-    if !quick {
-        let base = runner::new_manager(CpuBackend::None, builtin, &[])?;
-        let cal = runner::run_job(&base, "size-cpu", "default", &cpu_job, timeout)?;
-        let per_unit = cal.guest_s.unwrap_or(cal.wall_s) / sz.cpu_units as f64;
-        let units = ((a.job_secs / per_unit.max(1e-9)).ceil() as u64).clamp(1, 100_000_000);
-        cpu_job = Job::work(units, sz.unit_iters, 1).with_disk(&disk, Limits::default());
-        sizing.push(format!("cpu: {units} units of {} rounds", sz.unit_iters));
-        let cal = runner::run_job(&base, "size-io", "default", &io_job, timeout)?;
-        let per_byte = cal.guest_s.unwrap_or(cal.wall_s) / sz.io_bytes as f64;
-        let bytes = ((a.job_secs / per_byte.max(1e-15)) as u64 / sz.io_bs * sz.io_bs)
-            .clamp(sz.io_bs, disk_bytes / sz.io_bs * sz.io_bs);
-        io_job =
-            Job::blk_read(&disk, Limits::default(), bytes, sz.io_bs, 4).with_wait(a.probe_wait);
-        sizing.push(format!(
-            "io: {} MiB in {} KiB reads",
-            bytes >> 20,
-            sz.io_bs >> 10
-        ));
-        base.shutdown();
-    }
-    let mut jobs: Vec<(&'static str, Job)> = match a.job {
-        JobKind::Cpu => vec![("cpu", cpu_job)],
-        JobKind::Io => vec![("io", io_job.clone())],
-        JobKind::Both | JobKind::All => vec![("cpu", cpu_job), ("io", io_job.clone())],
-        JobKind::Linux => Vec::new(),
-    };
-    if let Plan::Run(lj) = &linux_plan {
-        jobs.push(("linux", Job::kbuild(lj)));
-    }
 
     let configs = [
         Config {
@@ -133,14 +102,57 @@ pub fn run(a: OverheadArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String), Be
         },
     ];
 
-    // Warm-up: one discarded run of each job on each configuration; a run of
-    // the I/O job on A calibrates C's limits (for every job: the Linux job's
-    // reads need far less than the probe's read rate).
+    let mut cpu_job = Job::work(sz.cpu_units, sz.unit_iters, 1).with_disk(&disk, Limits::default());
+    let mut io_job =
+        Job::blk_read(&disk, Limits::default(), sz.io_bytes, sz.io_bs, 4).with_wait(a.probe_wait);
+    // Size the probe jobs to --job-secs of guest time from one run each on
+    // A; the io run also gives C's limits.
+    let mut sizing = Vec::new();
+    let mut io_cal = None;
+    if !quick {
+        let base = &configs[0].mgr;
+        let cal = runner::run_job(base, "size-cpu", "default", &cpu_job, timeout)?;
+        let per_unit = cal.guest_s.unwrap_or(cal.wall_s) / sz.cpu_units as f64;
+        let units = ((a.job_secs / per_unit.max(1e-9)).ceil() as u64).clamp(1, 100_000_000);
+        cpu_job = Job::work(units, sz.unit_iters, 1).with_disk(&disk, Limits::default());
+        sizing.push(format!("cpu: {units} units of {} rounds", sz.unit_iters));
+        let cal = runner::run_job(base, "size-io", "default", &io_job, timeout)?;
+        let per_byte = cal.guest_s.unwrap_or(cal.wall_s) / sz.io_bytes as f64;
+        let bytes = ((a.job_secs / per_byte.max(1e-15)) as u64 / sz.io_bs * sz.io_bs)
+            .clamp(sz.io_bs, disk_bytes / sz.io_bs * sz.io_bs);
+        io_job =
+            Job::blk_read(&disk, Limits::default(), bytes, sz.io_bs, 4).with_wait(a.probe_wait);
+        sizing.push(format!(
+            "io: {} MiB in {} KiB reads",
+            bytes >> 20,
+            sz.io_bs >> 10
+        ));
+        io_cal = Some(cal);
+    }
+    let mut jobs: Vec<(&'static str, Job)> = match a.job {
+        JobKind::Cpu => vec![("cpu", cpu_job)],
+        JobKind::Io => vec![("io", io_job.clone())],
+        JobKind::Both | JobKind::All => vec![("cpu", cpu_job), ("io", io_job.clone())],
+        JobKind::Linux => Vec::new(),
+    };
+    if let Plan::Run(lj) = &linux_plan {
+        jobs.push(("linux", Job::kbuild(lj)));
+    }
+
+    // Warm-up: one discarded run of each job on each configuration; the
+    // sizing run of the I/O job on A (a run of it with --quick) calibrates
+    // C's limits (for every job: the Linux job's reads need far less than
+    // the probe's read rate).
     let per_round = (jobs.len() * configs.len()) as u64;
     let total = per_round * (u64::from(fixed.unwrap_or(MIN_ROUNDS)) + 1) + 1;
     let pb = super::progress(total);
-    pb.set_message("calibrating the I/O limits");
-    let cal = runner::run_job(&configs[0].mgr, "cal", "default", &io_job, timeout)?;
+    let cal = match io_cal {
+        Some(c) => c,
+        None => {
+            pb.set_message("calibrating the I/O limits");
+            runner::run_job(&configs[0].mgr, "cal", "default", &io_job, timeout)?
+        }
+    };
     pb.inc(1);
     let secs = cal.guest_s.unwrap_or(cal.wall_s).max(1e-6);
     let bps = cal.num("bytes").unwrap_or(0.0) / secs;
@@ -172,6 +184,8 @@ pub fn run(a: OverheadArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String), Be
     let mut samples = Vec::new();
     let started = Instant::now();
     let mut run = 0;
+    let mut active: Vec<usize> = (0..jobs.len()).collect();
+    let names: Vec<&str> = jobs.iter().map(|(j, _)| *j).collect();
     let stop = loop {
         run += 1;
         // A B C, then C B A: what a run leaves for the next one (caches,
@@ -182,9 +196,10 @@ pub fn run(a: OverheadArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String), Be
             configs.iter().rev().collect()
         };
         if run > fixed.unwrap_or(MIN_ROUNDS) {
-            pb.inc_length(per_round);
+            pb.inc_length((active.len() * configs.len()) as u64);
         }
-        for (jname, job) in &jobs {
+        for &ji in &active {
+            let (jname, job) = &jobs[ji];
             for c in order.iter().copied() {
                 pb.set_message(format!("round {run}: job {jname}, config {}", c.key));
                 let j = if c.limited {
@@ -193,6 +208,7 @@ pub fn run(a: OverheadArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String), Be
                     job.clone()
                 };
                 let s0 = c.mgr.cpu_scheduler().self_usage().1;
+                let t0 = Instant::now();
                 let r = runner::run_job(
                     &c.mgr,
                     &format!("{jname}-{}-{run}", c.key.to_lowercase()),
@@ -207,6 +223,7 @@ pub fn run(a: OverheadArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String), Be
                     run,
                     r,
                     sched_cpu_s: s1.saturating_sub(s0) as f64 / 1e9,
+                    secs: t0.elapsed().as_secs_f64(),
                 });
                 pb.inc(1);
             }
@@ -217,38 +234,38 @@ pub fn run(a: OverheadArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String), Be
             }
             continue;
         }
-        if run < MIN_ROUNDS {
-            continue;
-        }
-        let widest = jobs
-            .iter()
-            .flat_map(|(j, _)| ["B", "C"].map(|k| ratio(&samples, j, k)))
-            .map(|r| r.map_or(f64::INFINITY, |r| r.half_width_pct()))
-            .fold(0.0, f64::max);
-        if widest <= a.target {
-            break format!(
-                "{run} rounds: every 95 % interval within ±{} % ({:.0} s)",
-                a.target,
-                started.elapsed().as_secs_f64()
-            );
-        }
-        let per = started.elapsed() / run;
-        if started.elapsed() + per > budget {
-            let more = super::stats::pairs_needed(run as usize, widest, a.target).map_or_else(
-                String::new,
-                |n| {
-                    format!(
-                        "; at this spread ±{} % would take about {n} rounds (~{:.0} min)",
-                        a.target,
-                        per.as_secs_f64() * n as f64 / 60.0
-                    )
-                },
-            );
-            break format!(
-                "{run} rounds: the budget of {:.0} s is spent; the widest 95 % interval is ±{widest:.2} % (wanted ±{} %){more}",
-                budget.as_secs_f64(),
-                a.target
-            );
+        let progress: Vec<Progress> = names.iter().map(|j| progress_of(&samples, j)).collect();
+        let elapsed = started.elapsed().as_secs_f64();
+        match rounds::next(
+            &progress,
+            elapsed,
+            budget.as_secs_f64(),
+            MIN_ROUNDS,
+            a.target,
+        ) {
+            Next::Run(v) => active = v,
+            Next::Settled => {
+                break format!(
+                    "{}: every 95 % interval within ±{} % ({elapsed:.0} s)",
+                    rounds::describe(&names, &progress),
+                    a.target
+                );
+            }
+            Next::BudgetSpent => {
+                let widest = progress
+                    .iter()
+                    .flat_map(|p| &p.ratios)
+                    .map(|r| r.map_or(f64::INFINITY, |r| r.half_width_pct()))
+                    .fold(0.0, f64::max);
+                break format!(
+                    "{}: the budget of {:.0} s is spent; the widest 95 % interval is \
+                     ±{widest:.2} % (wanted ±{} %; the Verdict table says how many more \
+                     rounds each would take)",
+                    rounds::describe(&names, &progress),
+                    budget.as_secs_f64(),
+                    a.target
+                );
+            }
         }
     };
     pb.finish_and_clear();
@@ -335,8 +352,17 @@ pub fn run(a: OverheadArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String), Be
          A, back to back), on the guest-measured job time where the guest reports one (the \
          probe's jobs) and the host wall time otherwise; 95 % t-interval of the log ratios."
     ));
-    let mut t = Table::new(&["job", "config", "pairs", "vs A", "95 % interval", "verdict"]);
+    let mut t = Table::new(&[
+        "job",
+        "config",
+        "pairs",
+        "vs A",
+        "95 % interval",
+        "verdict",
+        "rounds still needed",
+    ]);
     for (jname, _) in &jobs {
+        let round_secs = progress_of(&samples, jname).round_secs;
         for k in ["B", "C"] {
             let Some(r) = ratio(&samples, jname, k) else {
                 t.row(vec![
@@ -346,6 +372,7 @@ pub fn run(a: OverheadArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String), Be
                     "-".into(),
                     "-".into(),
                     "too few runs".into(),
+                    "-".into(),
                 ]);
                 continue;
             };
@@ -356,6 +383,15 @@ pub fn run(a: OverheadArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String), Be
                 format!("{:+.2}%", r.mean_pct),
                 format!("{:+.2} … {:+.2}%", r.lo_pct, r.hi_pct),
                 r.verdict(&format!("{k} {}", short(k)), a.target),
+                rounds::more_rounds(&r, a.target, round_secs).map_or_else(
+                    || "-".into(),
+                    |(more, min)| {
+                        format!(
+                            "~{more} more for ±{} % at this spread (~{min:.0} min)",
+                            a.target
+                        )
+                    },
+                ),
             ]);
         }
     }
@@ -547,4 +583,28 @@ fn ratio(samples: &[Sample], job: &str, key: &str) -> Option<RatioCi> {
         })
         .collect();
     RatioCi::of(&pairs)
+}
+
+/// What the rounds so far gave for `job`: its rounds, the seconds a round
+/// of it takes (A, B and C), and its B/A and C/A intervals.
+fn progress_of(samples: &[Sample], job: &str) -> Progress {
+    let of = |cfg: &str| -> Vec<f64> {
+        samples
+            .iter()
+            .filter(|s| s.job == job && s.config == cfg)
+            .map(|s| s.secs)
+            .collect()
+    };
+    let mean = |xs: Vec<f64>| {
+        if xs.is_empty() {
+            0.0
+        } else {
+            xs.iter().sum::<f64>() / xs.len() as f64
+        }
+    };
+    Progress {
+        rounds: of("A").len() as u32,
+        round_secs: ["A", "B", "C"].map(|k| mean(of(k))).iter().sum(),
+        ratios: ["B", "C"].map(|k| ratio(samples, job, k)).to_vec(),
+    }
 }

@@ -595,6 +595,27 @@ impl Drop for Hog {
     }
 }
 
+/// Reads the first `bytes` of `path` (into nothing), so that a guest's
+/// later reads of that range come from the page cache: the first read of a
+/// sparse file's range allocates its pages and is slower than every later
+/// read.
+pub fn warm(path: &Path, bytes: u64) -> Result<(), BenchError> {
+    use std::io::Read as _;
+    let err = |e: std::io::Error| BenchError(format!("reading {}: {e}", path.display()));
+    let mut f = std::fs::File::open(path).map_err(err)?;
+    let mut buf = vec![0u8; 1 << 20];
+    let mut left = bytes;
+    while left > 0 {
+        let want = left.min(buf.len() as u64) as usize;
+        let n = f.read(&mut buf[..want]).map_err(err)?;
+        if n == 0 {
+            break;
+        }
+        left -= n as u64;
+    }
+    Ok(())
+}
+
 /// A private temporary directory for disk files, removed when dropped.
 pub struct Scratch {
     dir: PathBuf,

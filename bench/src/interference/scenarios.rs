@@ -94,6 +94,12 @@ pub(super) struct Cell {
     pub(super) hog_cpu_s: f64,
     pub(super) hog_restarts: u64,
     pub(super) timeline: Vec<Point>,
+    /// What the victim's and the hog's threads did during the victim's run
+    /// (in [`super::threads::ROLES`] order).
+    pub(super) threads: [super::threads::Sched; 5],
+    /// Seconds the whole cell took (the hog's start and warm-up, the
+    /// victim's run and the teardown).
+    pub(super) secs: f64,
 }
 
 /// One sample of the run: CPU used and entitled per class, in percent of
@@ -139,6 +145,8 @@ mod tests {
             hog_cpu_s: 0.0,
             hog_restarts: 0,
             timeline: Vec::new(),
+            threads: Default::default(),
+            secs: 0.0,
         }
     }
 
