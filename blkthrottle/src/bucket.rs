@@ -262,6 +262,7 @@ impl Limiter {
     }
 
     /// Charges `req` to every bucket it touches (after refilling to `now`).
+    #[cfg(test)]
     pub(crate) fn charge(&mut self, req: &Request, now: Nanos) {
         self.charge_mask(self.mask(req), req, now);
     }

@@ -9,7 +9,9 @@ use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::bucket::{Limiter, bits};
+use crate::shared::GroupBuckets;
 use crate::limits::{Limits, LimitsError, NUM_BUCKETS};
+use crate::page::PageMem;
 use crate::stats::{AtomicHistogram, Stats};
 use crate::{Nanos, OpKind, Request};
 
@@ -104,7 +106,7 @@ struct Member {
 ///   holding the others back.
 pub(crate) struct GroupCore {
     limits: Limits,
-    limiter: Limiter,
+    limiter: GroupBuckets,
     members: Vec<Option<Member>>,
     /// Scratch buffer for the scheduling order (kept to avoid allocation).
     order: Vec<u32>,
@@ -118,9 +120,14 @@ pub(crate) struct GroupCore {
 
 impl GroupCore {
     pub(crate) fn new(limits: &Limits, now: Nanos) -> GroupCore {
+        GroupCore::with_buckets(limits, GroupBuckets::Local(Limiter::new(limits, now)))
+    }
+
+    /// A core over `limiter` (a shared page's buckets, see [`crate::page`]).
+    pub(crate) fn with_buckets(limits: &Limits, limiter: GroupBuckets) -> GroupCore {
         GroupCore {
             limits: *limits,
-            limiter: Limiter::new(limits, now),
+            limiter,
             members: Vec::new(),
             order: Vec::new(),
             vclock: 0,
@@ -371,9 +378,13 @@ impl GroupCore {
                 // computed when it polls; it reserves nothing new.
                 continue;
             }
-            let ready = self.limiter.ready_at_mask(mask, &req, now);
-            if conflict == 0 && ready <= now && in_window {
-                self.limiter.charge(&req, now);
+            // Charged here if it may go (atomically for a shared page).
+            let ready = if conflict == 0 && in_window {
+                self.limiter.try_admit_mask(mask, &req, now)
+            } else {
+                Err(self.limiter.ready_at_mask(mask, &req, now))
+            };
+            if ready.is_ok() {
                 let step = self.limiter.cost_ps(mask, &req) * DEFAULT_WEIGHT as u128
                     / m.weight.max(1) as u128;
                 m.finish = start + step;
@@ -389,7 +400,10 @@ impl GroupCore {
                 self.max_step = self.max_step.max(step);
                 self.stats
                     .admitted(req.kind, req.charged_bytes(), refused.then_some(since), now);
+                self.limiter
+                    .note_admitted(req.kind, req.charged_bytes(), refused.then_some(since), now);
             } else {
+                let ready = ready.err().unwrap_or(now);
                 let mut h = bits(conflict).fold(ready, |h, b| h.max(until[b]));
                 if !in_window {
                     h = h.max(retry);
@@ -406,11 +420,14 @@ impl GroupCore {
     }
 }
 
-struct GroupShared {
-    name: String,
-    core: Mutex<GroupCore>,
-    queue_depth: AtomicI64,
-    latency: [AtomicHistogram; 3],
+pub(crate) struct GroupShared {
+    pub(crate) name: String,
+    pub(crate) core: Mutex<GroupCore>,
+    pub(crate) queue_depth: AtomicI64,
+    pub(crate) latency: [AtomicHistogram; 3],
+    /// The page of a group shared across processes: its counters are the
+    /// group's (all processes').
+    pub(crate) page: Option<Arc<dyn PageMem>>,
 }
 
 /// A named set of limits shared by several disks (all disks of a VM, or of
@@ -441,7 +458,7 @@ struct GroupShared {
 /// [`Waker`]s are called so they can re-poll earlier.
 #[derive(Clone)]
 pub struct ThrottleGroup {
-    inner: Arc<GroupShared>,
+    pub(crate) inner: Arc<GroupShared>,
 }
 
 impl fmt::Debug for ThrottleGroup {
@@ -467,6 +484,7 @@ impl ThrottleGroup {
                 core: Mutex::new(GroupCore::new(limits, now)),
                 queue_depth: AtomicI64::new(0),
                 latency: Default::default(),
+                page: None,
             }),
         })
     }
@@ -515,6 +533,9 @@ impl ThrottleGroup {
     /// the group, requests that had to wait for the group and for how long,
     /// the sum of the members' queue depths and their latency histograms.
     pub fn stats(&self) -> Stats {
+        if let Some(p) = &self.inner.page {
+            return p.page().stats().snapshot();
+        }
         let mut s = self.lock().stats();
         s.queue_depth = self.inner.queue_depth.load(Ordering::Relaxed).max(0) as u64;
         s.read.latency = self.inner.latency[0].snapshot();
@@ -530,6 +551,9 @@ impl ThrottleGroup {
 
     pub(crate) fn add_queue_depth(&self, d: i64) {
         self.inner.queue_depth.fetch_add(d, Ordering::Relaxed);
+        if let Some(p) = &self.inner.page {
+            p.page().stats().add_queue_depth(d);
+        }
     }
 
     pub(crate) fn observe_latency(&self, kind: OpKind, ns: Nanos) {
@@ -539,6 +563,9 @@ impl ThrottleGroup {
             OpKind::Other => 2,
         };
         self.inner.latency[i].observe(ns);
+        if let Some(p) = &self.inner.page {
+            p.page().stats().observe_latency(kind, ns);
+        }
     }
 }
 

@@ -143,6 +143,13 @@
 //! rate; wake-up instants that are exact when the member is first in line and
 //! a lower bound otherwise.
 //!
+//! A group may keep its buckets in memory shared by several processes (one
+//! per VM): [`ThrottleGroup::new_shared`] and [`ThrottleGroup::attach`], see
+//! [`page`]. The buckets are then the same exact buckets, as a word of
+//! virtual time each, charged with compare-and-swap; fairness by start tags
+//! applies among the disks of one process, and across processes requests
+//! are served as they come.
+//!
 //! # Limits
 //!
 //! [`Limits`] documents the keys, defaults (bucket size = one second of rate)
@@ -153,10 +160,13 @@
 mod bucket;
 mod group;
 mod limits;
+pub mod page;
+mod shared;
 mod stats;
 mod throttle;
 
 pub use group::{DEFAULT_FAIRNESS_WINDOW_NS, DEFAULT_WEIGHT, ThrottleGroup, Waker};
+pub use page::{GROUP_PAGE_LEN, GroupPage, PageError, PageMem};
 pub use limits::{Limits, LimitsError};
 pub use stats::{Histogram, LATENCY_BOUNDS_NS, LATENCY_BUCKETS, OpStats, SharedStats, Stats};
 pub use throttle::{Decision, Throttle, WaitCause};

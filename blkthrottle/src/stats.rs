@@ -99,8 +99,10 @@ fn upper_bounds_seconds() -> impl Iterator<Item = f64> {
         .chain(std::iter::once(f64::INFINITY))
 }
 
-/// Lock-free histogram for the group, fed from several threads.
+/// Lock-free histogram for the group, fed from several threads (`repr(C)`:
+/// it is part of a group's shared page, [`crate::GroupPage`]).
 #[derive(Debug, Default)]
+#[repr(C)]
 pub(crate) struct AtomicHistogram {
     counts: [AtomicU64; LATENCY_BUCKETS],
     sum_ns: AtomicU64,
@@ -206,6 +208,7 @@ impl Stats {
 
 /// Counters of one op kind, as atomics.
 #[derive(Debug, Default)]
+#[repr(C)]
 struct AtomicOpStats {
     ops: AtomicU64,
     bytes: AtomicU64,
@@ -230,7 +233,11 @@ impl AtomicOpStats {
 ///
 /// A snapshot reads the fields one by one: taken while requests are
 /// admitted it may count a request's op and not yet its bytes.
+///
+/// `repr(C)` and atomics only: a shared group keeps one in its page
+/// ([`crate::GroupPage`]), where any bit pattern is a valid value.
 #[derive(Debug, Default)]
+#[repr(C)]
 pub struct SharedStats {
     read: AtomicOpStats,
     write: AtomicOpStats,
