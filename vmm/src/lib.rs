@@ -22,6 +22,7 @@ pub mod handle;
 pub mod hostfile;
 pub mod hostload;
 mod images;
+pub mod iopage;
 pub mod jail;
 pub mod layout;
 pub mod loader;

@@ -101,7 +101,7 @@ impl Manager {
         self.sched().create_class_in(name, cfg.cpu, parent)?;
         self.cgroup_class(name, &cfg);
         st.class_io.insert(name.to_string(), cfg.io);
-        set_class_group(&mut st, name, &cfg.io)?;
+        set_class_group(&mut st, name, &cfg.io, self.shared_groups())?;
         self.one_class_info(&st, name)
             .ok_or_else(|| ManagerError::NotFound(format!("no class named {name:?}")))
     }
@@ -130,10 +130,14 @@ impl Manager {
         let created = self.sched().set_class_in(name, cfg.cpu, parent)?;
         self.cgroup_class(name, &cfg);
         st.class_io.insert(name.to_string(), cfg.io);
-        set_class_group(&mut st, name, &cfg.io)?;
+        set_class_group(&mut st, name, &cfg.io, self.shared_groups())?;
         let info = self
             .one_class_info(&st, name)
             .ok_or_else(|| ManagerError::NotFound(format!("no class named {name:?}")))?;
+        drop(st);
+        if !created {
+            self.push_class_io(name, cfg.io);
+        }
         Ok((created, info))
     }
 
@@ -158,9 +162,13 @@ impl Manager {
         self.sched().update_class(name, cfg.cpu)?;
         self.cgroup_class(name, &cfg);
         st.class_io.insert(name.to_string(), cfg.io);
-        set_class_group(&mut st, name, &cfg.io)?;
-        self.one_class_info(&st, name)
-            .ok_or_else(|| ManagerError::NotFound(format!("no class named {name:?}")))
+        set_class_group(&mut st, name, &cfg.io, self.shared_groups())?;
+        let info = self
+            .one_class_info(&st, name)
+            .ok_or_else(|| ManagerError::NotFound(format!("no class named {name:?}")));
+        drop(st);
+        self.push_class_io(name, cfg.io);
+        info
     }
 
     /// Deletes an empty class; 409 while VMs are in it.
@@ -184,6 +192,7 @@ impl Manager {
         }
         st.class_io.remove(name);
         st.class_groups.remove(name);
+        st.class_pages.remove(name);
         Ok(())
     }
 

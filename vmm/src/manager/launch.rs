@@ -94,7 +94,7 @@ impl Manager {
         let gate = Arc::new(Gate::new());
         let handle = match &self.cfg.vm_processes {
             Some(p) if self.cfg.cpu_backend != CpuBackend::Cgroup => {
-                let vm = self.start_process(p, &cfg, files)?;
+                let vm = self.start_process(p, &cfg, files, &req.class)?;
                 if self.cfg.cpu_backend == CpuBackend::Gate {
                     vm.relay_gate(gate.clone());
                 }
@@ -144,12 +144,14 @@ impl Manager {
     /// Starts `cfg` in a VM process of its own: the files the daemon opened
     /// (and locked) are passed as fds, the rest as the configuration
     /// message. The daemon keeps its own handles of the files (the image
-    /// book releases their locks when the VM is released).
+    /// book releases their locks when the VM is released). The disks' group
+    /// is `class`'s, over the class's shared page when it has one.
     fn start_process(
         &self,
         p: &VmProcesses,
         cfg: &VmConfig,
         files: &crate::images::VmFiles,
+        class: &str,
     ) -> Result<Arc<RemoteVm>, ManagerError> {
         use crate::vmproc::proto::{DiskSpec, PassedFile, VmSpec};
         use std::os::fd::AsFd;
@@ -180,9 +182,18 @@ impl Manager {
                         name: g.name().to_string(),
                         limits: g.limits().into(),
                         weight: *w,
+                        page: None,
                     }),
                 engine: d.engine.map(crate::vmproc::proto::engine_name),
             });
+        }
+        // The class group's page goes after the files.
+        let page = lock(&self.state).class_pages.get(class).cloned();
+        if page.is_some() {
+            let i = fds.len();
+            for g in disks.iter_mut().filter_map(|d| d.group.as_mut()) {
+                g.page = Some(i);
+            }
         }
         // A uid no process runs as; the lease ends with this call, when the
         // VM process already runs as it (it jails itself before `Started`).
@@ -211,7 +222,8 @@ impl Manager {
                 .as_ref()
                 .map(|l| crate::vmproc::proto::JailParams { uid: l.uid() }),
         };
-        let borrowed: Vec<_> = fds.iter().map(|f| f.file().as_fd()).collect();
+        let mut borrowed: Vec<_> = fds.iter().map(|f| f.file().as_fd()).collect();
+        borrowed.extend(page.as_deref().map(|f| f.as_fd()));
         // In a session of its own when it may outlive the daemon.
         let setsid = spec.control_socket.is_some();
         let vm = RemoteVm::start(&p.launcher, spec, &borrowed, keep, setsid)?;

@@ -183,6 +183,8 @@ struct State {
     /// Each class's I/O group: one throttle group shared by all disks of the
     /// class's VMs, with the class's `io` limits.
     class_groups: BTreeMap<String, ThrottleGroup>,
+    /// The shared page of each class group (VM processes: `io::set_class_group`).
+    class_pages: BTreeMap<String, Arc<std::os::fd::OwnedFd>>,
     next_id: u64,
     shutting_down: bool,
 }
@@ -251,7 +253,7 @@ impl Manager {
             c.io.validate()?;
             sched.create_class(name, c.cpu)?;
             state.class_io.insert(name.clone(), c.io);
-            set_class_group(&mut state, name, &c.io)?;
+            set_class_group(&mut state, name, &c.io, cfg.vm_processes.is_some())?;
         }
         let memory_budget_mib = cfg
             .memory_budget_mib

@@ -110,16 +110,22 @@ impl VmRun {
     pub fn set_disk_limits(&self, disk: &str, limits: Limits) -> Result<(), VmError> {
         each!(self, h => h.set_disk_limits(disk, limits))
     }
-    /// Moves a disk to a group.
+    /// Moves a disk to a group; a VM process attaches to the group's shared
+    /// `page` (an in-process VM uses the daemon's group object itself).
     pub fn set_disk_group(
         &self,
         disk: &str,
         group: Option<(ThrottleGroup, u32)>,
+        page: Option<&std::os::fd::OwnedFd>,
     ) -> Result<(), VmError> {
-        each!(self, h => h.set_disk_group(disk, group))
+        match self {
+            VmRun::Local(h) => h.set_disk_group(disk, group),
+            VmRun::Remote(h) => h.set_disk_group(disk, group, page),
+        }
     }
     /// A group's limits changed: an in-process VM shares the daemon's
-    /// group object (nothing to do); a VM process has its own copy.
+    /// group object (nothing to do); a VM process's handle of the group
+    /// takes them as its own bound (the group's shared page has them).
     pub fn set_group_limits(&self, name: &str, limits: Limits) -> Result<(), VmError> {
         match self {
             VmRun::Local(_) => Ok(()),

@@ -419,9 +419,10 @@ impl Manager {
             }
             *lock(&e.class) = class.to_string();
             let group = st.class_groups.get(class).cloned();
-            (e, group)
+            let page = st.class_pages.get(class).cloned();
+            (e, group, page)
         };
-        let (e, group) = e;
+        let (e, group, page) = e;
         if e.handle.exit_reason().is_none() {
             for d in e.handle.disks() {
                 if let Err(err) = e.handle.set_disk_group(
@@ -429,6 +430,7 @@ impl Manager {
                     group
                         .clone()
                         .map(|g| (g, corral_blkthrottle::DEFAULT_WEIGHT)),
+                    page.as_deref(),
                 ) {
                     tracing::warn!(
                         vm = name,

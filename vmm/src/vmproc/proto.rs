@@ -133,10 +133,17 @@ pub fn engine_of(s: &str) -> Option<IoEngine> {
 pub struct GroupSpec {
     /// Name (`class:NAME`).
     pub name: String,
-    /// Limits.
+    /// Limits (the VM process's own disks never get more than these allow
+    /// them, whatever the group's page holds).
     pub limits: WireLimits,
     /// The disk's weight.
     pub weight: u32,
+    /// The group's shared page (`crate::iopage`), as an index into this
+    /// message's SCM_RIGHTS files: the group's buckets are then the ones
+    /// the daemon and every VM process of the class share. `None`: a group
+    /// of this process alone.
+    #[serde(default)]
+    pub page: Option<usize>,
 }
 
 /// [`corral_blkthrottle::Limits`] on the wire.

@@ -198,13 +198,22 @@ impl RemoteVm {
     }
 
     pub(super) fn call(&self, req: Request) -> Result<Response, VmError> {
+        self.call_with(req, &[])
+    }
+
+    /// [`Self::call`] with files passed as SCM_RIGHTS.
+    fn call_with(
+        &self,
+        req: Request,
+        fds: &[std::os::fd::BorrowedFd<'_>],
+    ) -> Result<Response, VmError> {
         if self.inner.gone.load(Ordering::Acquire) {
             return Err(VmError::Config("the VM's process has ended".into()));
         }
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = mpsc::channel();
         lock(&self.inner.pending).insert(id, tx);
-        if let Err(e) = wire::send(&self.inner.sock, &ToVm { id, req }, &[]) {
+        if let Err(e) = wire::send(&self.inner.sock, &ToVm { id, req }, fds) {
             lock(&self.inner.pending).remove(&id);
             return Err(wire_err(e));
         }
@@ -356,21 +365,29 @@ impl RemoteVm {
     }
 
     /// Moves a disk into a group of the VM process with `group`'s name and
-    /// limits (a group is per process: see ARCHITECTURE.md).
+    /// limits, over the group's shared page `page` if it has one (else a
+    /// group of the VM process alone).
     pub fn set_disk_group(
         &self,
         disk: &str,
         group: Option<(ThrottleGroup, u32)>,
+        page: Option<&std::os::fd::OwnedFd>,
     ) -> Result<(), VmError> {
+        use std::os::fd::AsFd;
         let group = group.map(|(g, weight)| GroupSpec {
             name: g.name().to_string(),
             limits: g.limits().into(),
             weight,
+            page: page.map(|_| 0),
         });
-        self.call(Request::SetDiskGroup {
-            disk: disk.to_string(),
-            group,
-        })
+        let fds: Vec<_> = page.iter().map(|f| f.as_fd()).collect();
+        self.call_with(
+            Request::SetDiskGroup {
+                disk: disk.to_string(),
+                group,
+            },
+            &fds,
+        )
         .map(drop)
     }
 

@@ -92,6 +92,13 @@ pub fn run(sock: OwnedFd, builtin: Arc<[u8]>) -> Result<i32, VmProcessError> {
     }
     let spec = hello.vm;
     let mut fds: Vec<Option<OwnedFd>> = fds.into_iter().map(Some).collect();
+    // The class groups' shared pages, by index.
+    let mut pages: BTreeMap<usize, OwnedFd> = spec
+        .disks
+        .iter()
+        .filter_map(|d| d.group.as_ref()?.page)
+        .filter_map(|i| Some((i, fds.get_mut(i)?.take()?)))
+        .collect();
     let mut take = |f: &super::proto::PassedFile| -> Result<HostFile, VmProcessError> {
         let fd = fds
             .get_mut(f.fd)
@@ -118,7 +125,10 @@ pub fn run(sock: OwnedFd, builtin: Arc<[u8]>) -> Result<i32, VmProcessError> {
     let mut groups = BTreeMap::new();
     for d in &spec.disks {
         let group = match &d.group {
-            Some(g) => Some((group_for(&mut groups, g, now)?, g.weight)),
+            Some(g) => {
+                let page = g.page.and_then(|i| pages.remove(&i));
+                Some((group_for(&mut groups, g, now, page)?, g.weight))
+            }
             None => None,
         };
         cfg.disks.push(crate::vm::DiskConfig {
@@ -321,17 +331,32 @@ fn listen(path: &std::path::Path) -> std::io::Result<OwnedFd> {
     Ok(s)
 }
 
-/// The process's throttle group `g.name`, created with `g.limits` if new.
+/// The process's throttle group `g.name`: attached to the shared page
+/// passed with the message (`g.page`, its file here as `page`; a page replaces
+/// the process's group of that name, e.g. for a daemon that re-adopted the
+/// process), else the group of that name the process has, else a new group
+/// of this process alone with `g.limits`.
 fn group_for(
     groups: &mut BTreeMap<String, ThrottleGroup>,
     g: &super::proto::GroupSpec,
     now: u64,
+    page: Option<OwnedFd>,
 ) -> Result<ThrottleGroup, VmProcessError> {
-    if let Some(x) = groups.get(&g.name) {
-        return Ok(x.clone());
-    }
-    let x = ThrottleGroup::new(g.name.clone(), &g.limits.into(), now)
-        .map_err(|e| VmProcessError::Config(format!("group {}: {e}", g.name)))?;
+    let bad = |e: String| VmProcessError::Config(format!("group {}: {e}", g.name));
+    let x = match page {
+        Some(fd) => {
+            let p = crate::iopage::IoPage::from_fd(&fd).map_err(|e| bad(e.to_string()))?;
+            ThrottleGroup::attach(g.name.clone(), &g.limits.into(), now, p)
+                .map_err(|e| bad(e.to_string()))?
+        }
+        None => {
+            if let Some(x) = groups.get(&g.name) {
+                return Ok(x.clone());
+            }
+            ThrottleGroup::new(g.name.clone(), &g.limits.into(), now)
+                .map_err(|e| bad(e.to_string()))?
+        }
+    };
     groups.insert(g.name.clone(), x.clone());
     Ok(x)
 }
@@ -388,8 +413,8 @@ impl VmProcess {
         }
     }
 
-    /// Answers one request.
-    fn handle(&self, req: Request) -> Response {
+    /// Answers one request (`fds`: the files passed with it).
+    fn handle(&self, req: Request, mut fds: Vec<Option<OwnedFd>>) -> Response {
         let h = &self.handle;
         let done = |r: Result<(), crate::vm::VmError>| match r {
             Ok(()) => Response::Ok,
@@ -411,7 +436,8 @@ impl VmProcess {
                 let g = match &group {
                     Some(g) => {
                         let now = crate::util::monotonic_ns();
-                        match group_for(&mut lock(&self.groups), g, now) {
+                        let page = g.page.and_then(|i| fds.get_mut(i)?.take());
+                        match group_for(&mut lock(&self.groups), g, now, page) {
                             Ok(x) => Some((x, g.weight)),
                             Err(e) => {
                                 return Response::Error {
@@ -465,7 +491,7 @@ impl VmProcess {
         crate::util::raise_priority();
         loop {
             match wire::recv::<ToVm>(sock.as_fd()) {
-                Ok(Some((m, _))) => {
+                Ok(Some((m, fds))) => {
                     let resp = match m.req {
                         Request::Files => {
                             let files = self.handle.files();
@@ -489,7 +515,7 @@ impl VmProcess {
                             tracing::info!(vm = self.handle.name(), "re-adopted by a daemon");
                             Response::Ok
                         }
-                        req => self.handle(req),
+                        req => self.handle(req, fds.into_iter().map(Some).collect()),
                     };
                     if m.id != 0
                         && let Err(e) = wire::send(&*sock, &FromVm::Reply { id: m.id, resp }, &[])

@@ -1,0 +1,117 @@
+//! A class's I/O limit is one budget for all the class's VMs when each VM
+//! runs in its own process (`corral serve`'s default `--vm-mode process`):
+//! the VM processes share the class group's buckets in a page the daemon
+//! passes them (ARCHITECTURE.md, "Block I/O"). Two VMs of one class read as
+//! fast as they can; the sum of what their devices read stays within the
+//! class's limit (a copy of the group per process let each VM have the
+//! whole limit: the sum was ~2×), also after a live change of the limit.
+
+use std::time::{Duration, Instant};
+
+use corral_tests::api::{Daemon, wait_until};
+use serde_json::json;
+
+/// Bytes the VM's disk `data` read for its guest (the device's counter).
+fn read_bytes(metrics: &str, vm: &str) -> f64 {
+    metrics
+        .lines()
+        .filter(|l| l.starts_with("corral_disk_device_bytes_total{"))
+        .filter(|l| {
+            l.contains(&format!("vm=\"{vm}\""))
+                && l.contains("disk=\"data\"")
+                && l.contains("op=\"read\"")
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// Both VMs' read rates (bytes/s) over `secs` of host time.
+fn rates(d: &Daemon, secs: f64) -> (f64, f64) {
+    let m0 = d.req("GET", "/metrics", None).text();
+    let t0 = Instant::now();
+    std::thread::sleep(Duration::from_secs_f64(secs));
+    let m1 = d.req("GET", "/metrics", None).text();
+    let dt = t0.elapsed().as_secs_f64();
+    (
+        (read_bytes(&m1, "va") - read_bytes(&m0, "va")) / dt,
+        (read_bytes(&m1, "vb") - read_bytes(&m0, "vb")) / dt,
+    )
+}
+
+#[test]
+fn a_class_io_limit_binds_the_sum_of_its_vm_processes() {
+    let d = Daemon::start(&[]);
+    let dir = std::env::temp_dir().join(format!("corral-api-io-proc-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let img = |n: &str| {
+        let p = dir.join(n);
+        std::fs::File::create(&p)
+            .unwrap()
+            .set_len(64 << 20)
+            .unwrap();
+        p.to_str().unwrap().to_string()
+    };
+    let limit = 2_000_000.0;
+    let r = d.req(
+        "POST",
+        "/v1/classes",
+        Some(r#"{"name":"capped","shares":100,"io":{"bps":2000000,"burst_bytes":131072}}"#),
+    );
+    assert_eq!(r.status, 201, "{}", r.text());
+    // Each guest reads its whole 64 MiB disk, 64 KiB at a time, 4 in
+    // flight: far more than the limit lets through while the test runs.
+    let job = "probe.mode=blk probe.op=read probe.size=64M probe.bs=64K probe.qd=4";
+    for (name, path) in [("va", img("a.img")), ("vb", img("b.img"))] {
+        let body = json!({
+            "name": name, "class": "capped", "memory_mib": 64, "cmdline": job,
+            "disks": [{"id": "data", "path": path}]
+        });
+        let r = d.req("POST", "/v1/vms", Some(&body.to_string()));
+        assert_eq!(r.status, 201, "{}", r.text());
+    }
+    wait_until(Duration::from_secs(30), || {
+        let m = d.req("GET", "/metrics", None).text();
+        (read_bytes(&m, "va") >= 256e3 && read_bytes(&m, "vb") >= 256e3).then_some(())
+    })
+    .expect("both VMs reading");
+    // A ceiling on a loaded host: the sum must not exceed the limit by more
+    // than 10 % (the burst and the counters' 100 ms freshness are a few %);
+    // one copy of the group per process gives 2×.
+    let (a, b) = rates(&d, 3.0);
+    eprintln!(
+        "class bps=2M, two VM processes: va {a:.0} B/s + vb {b:.0} B/s = {:.0} B/s",
+        a + b
+    );
+    assert!(
+        a + b <= limit * 1.1,
+        "two VM processes of one class read {:.0} B/s together, over the class's {limit} B/s",
+        a + b
+    );
+    assert!(a > 0.0 && b > 0.0, "a VM did not read: va {a:.0}, vb {b:.0}");
+
+    // A live change reaches both VM processes: 2× the limit, and the sum
+    // goes past the old one, still within the new.
+    let r = d.req(
+        "PATCH",
+        "/v1/classes/capped",
+        Some(r#"{"io":{"bps":4000000,"burst_bytes":131072}}"#),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    std::thread::sleep(Duration::from_millis(300));
+    let (a, b) = rates(&d, 3.0);
+    eprintln!("after PATCH bps=4M: va {a:.0} + vb {b:.0} = {:.0} B/s", a + b);
+    assert!(
+        a + b <= 2.0 * limit * 1.1,
+        "{:.0} B/s over the new limit",
+        a + b
+    );
+    assert!(
+        a + b > limit * 1.2,
+        "{:.0} B/s: the new limit did not reach the VM processes",
+        a + b
+    );
+    for vm in ["va", "vb"] {
+        d.req("DELETE", &format!("/v1/vms/{vm}"), None);
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
