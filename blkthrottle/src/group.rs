@@ -9,9 +9,9 @@ use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::bucket::{Limiter, bits};
-use crate::shared::GroupBuckets;
 use crate::limits::{Limits, LimitsError, NUM_BUCKETS};
 use crate::page::PageMem;
+use crate::shared::GroupBuckets;
 use crate::stats::{AtomicHistogram, Stats};
 use crate::{Nanos, OpKind, Request};
 
@@ -400,8 +400,12 @@ impl GroupCore {
                 self.max_step = self.max_step.max(step);
                 self.stats
                     .admitted(req.kind, req.charged_bytes(), refused.then_some(since), now);
-                self.limiter
-                    .note_admitted(req.kind, req.charged_bytes(), refused.then_some(since), now);
+                self.limiter.note_admitted(
+                    req.kind,
+                    req.charged_bytes(),
+                    refused.then_some(since),
+                    now,
+                );
             } else {
                 let ready = ready.err().unwrap_or(now);
                 let mut h = bits(conflict).fold(ready, |h, b| h.max(until[b]));

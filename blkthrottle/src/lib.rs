@@ -166,8 +166,8 @@ mod stats;
 mod throttle;
 
 pub use group::{DEFAULT_FAIRNESS_WINDOW_NS, DEFAULT_WEIGHT, ThrottleGroup, Waker};
-pub use page::{GROUP_PAGE_LEN, GroupPage, PageError, PageMem};
 pub use limits::{Limits, LimitsError};
+pub use page::{GROUP_PAGE_LEN, GroupPage, PageError, PageMem};
 pub use stats::{Histogram, LATENCY_BOUNDS_NS, LATENCY_BUCKETS, OpStats, SharedStats, Stats};
 pub use throttle::{Decision, Throttle, WaitCause};
 

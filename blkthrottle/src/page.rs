@@ -225,7 +225,10 @@ impl GroupPage {
             w.store(next() >> (next() % 64), SeqCst);
         }
         for b in &self.buckets {
-            b.z.store(((next() as i128) << 64 | next() as i128) >> (next() % 128), SeqCst);
+            b.z.store(
+                ((next() as i128) << 64 | next() as i128) >> (next() % 128),
+                SeqCst,
+            );
             b.one_time.store(next() >> (next() % 64), SeqCst);
         }
     }
@@ -301,4 +304,3 @@ pub(crate) fn wait_ns(rate: u64, level: i128, need: i128) -> Nanos {
     let missing = (need - level) as u128;
     u64::try_from(missing.div_ceil(rate as u128)).unwrap_or(u64::MAX)
 }
-

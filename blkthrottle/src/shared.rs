@@ -230,7 +230,12 @@ impl SharedLimiter {
 
     /// Admits and charges `req` if the shadow and the page have the tokens,
     /// else the instant to poll again (> `now`).
-    pub(crate) fn try_admit_mask(&mut self, mask: u8, req: &Request, now: Nanos) -> Result<(), Nanos> {
+    pub(crate) fn try_admit_mask(
+        &mut self,
+        mask: u8,
+        req: &Request,
+        now: Nanos,
+    ) -> Result<(), Nanos> {
         let smask = mask & self.shadow.configured();
         if self.shadow.ready_at_mask(smask, req, now) > now {
             // The page's instant too, if later.
@@ -304,7 +309,10 @@ impl SharedLimiter {
 
     pub(crate) fn cost_ps(&self, mask: u8, req: &Request) -> u128 {
         let page = bits(mask & self.page_configured)
-            .filter_map(|i| self.cfgs[i].map(|c| (need(i, req) as u128 * 1_000_000_000_000).div_ceil(c.rate as u128)))
+            .filter_map(|i| {
+                self.cfgs[i]
+                    .map(|c| (need(i, req) as u128 * 1_000_000_000_000).div_ceil(c.rate as u128))
+            })
             .max()
             .unwrap_or(0);
         page.max(self.shadow.cost_ps(mask & self.shadow.configured(), req))
@@ -361,6 +369,8 @@ impl SharedLimiter {
 }
 
 /// The buckets of a group: its own, or a shared page's.
+// The in-process variant is the common one and the hot path: kept inline.
+#[allow(clippy::large_enum_variant)]
 pub(crate) enum GroupBuckets {
     /// One process.
     Local(Limiter),
@@ -390,7 +400,12 @@ impl GroupBuckets {
         }
     }
 
-    pub(crate) fn try_admit_mask(&mut self, mask: u8, req: &Request, now: Nanos) -> Result<(), Nanos> {
+    pub(crate) fn try_admit_mask(
+        &mut self,
+        mask: u8,
+        req: &Request,
+        now: Nanos,
+    ) -> Result<(), Nanos> {
         match self {
             Self::Local(l) => {
                 let t = l.ready_at_mask(mask, req, now);

@@ -119,8 +119,8 @@ proptest! {
     ) {
         let (_page, gs) = handles(&l, 3);
         let mut ts: Vec<Throttle> = gs.iter().map(member).collect();
-        let mut next = vec![0usize; 3];
-        let mut due: Vec<Nanos> = vec![0; 3];
+        let mut next = [0usize; 3];
+        let mut due: [Nanos; 3] = [0; 3];
         let mut log: Vec<(Nanos, Request)> = Vec::new();
         let mut steps = 0;
         while (0..3).any(|i| next[i] < reqs[i].len()) {
@@ -163,7 +163,7 @@ proptest! {
         let mut waits = 0;
         for r in &reqs {
             loop {
-                if k % every == 0 {
+                if k.is_multiple_of(every) {
                     page.scribble(seeds[k % seeds.len()] | 1);
                 }
                 k += 1;
@@ -229,7 +229,10 @@ fn live_limit_change_reaches_a_peer() {
     assert_eq!(ops(&mut t, S, 2 * S), 10);
     gs[1].set_limits(&fast, 2 * S).unwrap();
     let n = ops(&mut t, 2 * S, 3 * S);
-    assert!((999..=1001).contains(&n), "{n} ops/s after the change to 1000");
+    assert!(
+        (999..=1001).contains(&n),
+        "{n} ops/s after the change to 1000"
+    );
     // Down again: the page holds the peer to it before its daemon's word.
     gs[0].set_limits(&slow, 3 * S).unwrap();
     let n = ops(&mut t, 3 * S, 4 * S);

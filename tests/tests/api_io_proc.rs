@@ -87,7 +87,10 @@ fn a_class_io_limit_binds_the_sum_of_its_vm_processes() {
         "two VM processes of one class read {:.0} B/s together, over the class's {limit} B/s",
         a + b
     );
-    assert!(a > 0.0 && b > 0.0, "a VM did not read: va {a:.0}, vb {b:.0}");
+    assert!(
+        a > 0.0 && b > 0.0,
+        "a VM did not read: va {a:.0}, vb {b:.0}"
+    );
 
     // A live change reaches both VM processes: 2× the limit, and the sum
     // goes past the old one, still within the new.
@@ -99,7 +102,10 @@ fn a_class_io_limit_binds_the_sum_of_its_vm_processes() {
     assert_eq!(r.status, 200, "{}", r.text());
     std::thread::sleep(Duration::from_millis(300));
     let (a, b) = rates(&d, 3.0);
-    eprintln!("after PATCH bps=4M: va {a:.0} + vb {b:.0} = {:.0} B/s", a + b);
+    eprintln!(
+        "after PATCH bps=4M: va {a:.0} + vb {b:.0} = {:.0} B/s",
+        a + b
+    );
     assert!(
         a + b <= 2.0 * limit * 1.1,
         "{:.0} B/s over the new limit",

@@ -79,7 +79,8 @@ impl IoPage {
                 0,
             )
         }?;
-        let ptr = NonNull::new(p.cast::<GroupPage>()).ok_or_else(|| io::Error::other("mmap: null"))?;
+        let ptr =
+            NonNull::new(p.cast::<GroupPage>()).ok_or_else(|| io::Error::other("mmap: null"))?;
         Ok(IoPage { ptr })
     }
 }
@@ -118,7 +119,10 @@ mod tests {
         let r = corral_blkthrottle::Request::read(512);
         assert_eq!(a.poll(r, 0), corral_blkthrottle::Decision::Admit);
         assert_eq!(a.poll(r, 0), corral_blkthrottle::Decision::Admit);
-        assert!(matches!(a.poll(r, 0), corral_blkthrottle::Decision::Wait { .. }));
+        assert!(matches!(
+            a.poll(r, 0),
+            corral_blkthrottle::Decision::Wait { .. }
+        ));
         assert_eq!(owner.stats().read.ops, 2);
         // A file that is not a sealed page is refused.
         let f = rustix::fs::memfd_create("x", MemfdFlags::CLOEXEC).unwrap();

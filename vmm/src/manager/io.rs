@@ -100,7 +100,6 @@ impl Manager {
         }
     }
 
-
     /// Changes a disk's limits live.
     pub(super) fn set_disk_limits_live(
         &self,
