@@ -71,6 +71,7 @@ pub fn run(a: InterferenceArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String)
     let hog_disk = scratch.sparse("hog.img", file_bytes)?;
     let timeout = Duration::from_secs(if quick { 60 } else { 900 });
     let warmup = Duration::from_millis(if quick { 200 } else { 500 });
+    let slice_ns = a.slice_us.map(|us| us.saturating_mul(1000));
 
     let classes = [("victim", 1), ("hog", 1)];
     let gate = runner::new_manager(CpuBackend::Gate, builtin, &classes)?;
@@ -84,7 +85,7 @@ pub fn run(a: InterferenceArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String)
     // Size the victim's jobs to --victim-secs alone (the seeds' make took
     // 13 s alone; a job of a fraction of a second gives a handful of CPU
     // samples and swings with every hiccup of the host). Each calibration
-    // run predicts the next size until one lands within 10 %: the first
+    // run predicts the next size until one lands in [1, 1.2] x: the first
     // read of a sparse file's range allocates its page-cache pages and is
     // slower than every later read, so one short run undersized the io
     // victim (7.0 s alone instead of 10 in the last quiet-host run).
@@ -124,8 +125,8 @@ pub fn run(a: InterferenceArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String)
         String::new()
     } else {
         format!(
-            "Victim jobs sized to about {} s alone by calibration runs (each predicting the \
-             next size until one took within 10 % of it): cpu {units} units, io {} MiB. ",
+            "Victim jobs sized to at least {} s alone by calibration runs (each predicting the \
+             next size until one took 1 to 1.2 times that): cpu {units} units, io {} MiB. ",
             a.victim_secs,
             io_bytes >> 20
         )
@@ -198,8 +199,7 @@ pub fn run(a: InterferenceArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String)
                     (round, jname, job),
                     scn,
                     (&cpu_hog, &io_hog(hog_limit), &io_hog(Limits::default())),
-                    warmup,
-                    timeout,
+                    (warmup, timeout, slice_ns),
                 )?);
                 pb.inc(1);
             }
@@ -278,6 +278,12 @@ pub fn run(a: InterferenceArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String)
         hog_limit.iops.unwrap_or(0),
         iops
     ));
+    if let Some(us) = a.slice_us {
+        rep.para(&format!(
+            "**--slice-us {us}**: every VM's vCPU and device threads ran with a custom EEVDF \
+             slice of {us} µs (set when the harness first saw each thread)."
+        ));
+    }
     let progress: Vec<Progress> = jobs.iter().map(|(j, _)| progress_of(&cells, j)).collect();
     output::write(
         &mut rep,
@@ -324,9 +330,10 @@ fn progress_of(cells: &[Cell], job: &str) -> Progress {
     }
 }
 
-/// Sizes a job to `secs` of host wall time alone: runs it at `size`, then
-/// at the size that run predicts, until a run lands within 10 % (at most
-/// four runs). Returns the size and the last run (at that size).
+/// Sizes a job to at least `secs` of host wall time alone: runs it at
+/// `size`, then at the size that run predicts for 1.1 × `secs`, until a run
+/// lands in [1, 1.2] × `secs` (at most four runs). Returns the size and the
+/// last run (at that size).
 #[allow(clippy::too_many_arguments)]
 fn size_job(
     mgr: &Arc<Manager>,
@@ -344,8 +351,8 @@ fn size_job(
         let r = runner::run_job(mgr, &format!("{name}-{i}"), "victim", &job(size), timeout)?;
         pb.inc(1);
         let next =
-            ((size as f64 * secs / r.wall_s.max(1e-6)) as u64 / step * step).clamp(step, max);
-        if (r.wall_s / secs - 1.0).abs() <= 0.1 || next == size || i == 3 {
+            ((size as f64 * 1.1 * secs / r.wall_s.max(1e-6)) as u64 / step * step).clamp(step, max);
+        if (secs..=1.2 * secs).contains(&r.wall_s) || next == size || i == 3 {
             return Ok((size, Some(r)));
         }
         size = next;
@@ -367,8 +374,7 @@ fn cell(
     (round, jname, job): (u32, &'static str, &Job),
     scn: Scenario,
     (cpu_hog, io_hog_limited, io_hog): (&Job, &Job, &Job),
-    warmup: Duration,
-    timeout: Duration,
+    (warmup, timeout, slice_ns): (Duration, Duration, Option<u64>),
 ) -> Result<Cell, BenchError> {
     let t0 = Instant::now();
     set_shares(mgr, scn.victim_shares)?;
@@ -384,7 +390,7 @@ fn cell(
     if hog.is_some() {
         std::thread::sleep(warmup);
     }
-    let r = measure(mgr, name, job, hog.as_ref(), timeout);
+    let r = measure(mgr, name, job, hog.as_ref(), timeout, slice_ns);
     let hog_restarts = match hog {
         Some(h) => h.stop()?,
         None => 0,
@@ -427,10 +433,11 @@ fn measure(
     job: &Job,
     hog: Option<&Hog>,
     timeout: Duration,
+    slice_ns: Option<u64>,
 ) -> Result<Measured, BenchError> {
     let hog_cpu = || hog.map_or(0, Hog::cpu_ns);
     let h_start = hog_cpu();
-    let mut acc = threads::Accounts::begin(mgr, name, hog.map(|_| "hog"));
+    let mut acc = threads::Accounts::begin(mgr, name, hog.map(|_| "hog"), slice_ns);
     let mut vm = Vm::start(mgr, name, "victim", job)?;
     let t0 = vm.t0;
     acc.sample(mgr);

@@ -190,6 +190,12 @@ pub struct InterferenceArgs {
     /// completions; `poll` reproduces the figures before session 4.
     #[arg(long, value_enum, default_value_t = ProbeWait::Irq)]
     probe_wait: ProbeWait,
+    /// An experiment: give every VM's vCPU and device threads a custom
+    /// EEVDF slice of this many µs (Linux 6.12+ clamps it to 100..100000),
+    /// to see how much of a slowdown is wake-up latency behind a CPU-bound
+    /// thread's protected slice.
+    #[arg(long)]
+    slice_us: Option<u64>,
 }
 
 /// `corral bench throttle`.
