@@ -226,6 +226,18 @@ fn device(r: &mut Rules) {
     allow(r, &[libc::SYS_io_uring_enter]);
     // Live limit changes wake a throttled request: the gate re-polls.
     kicks(r);
+    // Tight throttle waits boost the thread itself (pid 0) to SCHED_FIFO
+    // and back to SCHED_OTHER (devices/src/virtio/blk/throttle.rs).
+    let me = |policy: libc::c_int| {
+        rule(vec![
+            cond(0, Len::Dword, Op::Eq, 0),
+            cond(1, Len::Dword, Op::Eq, policy as u64),
+        ])
+    };
+    r.insert(
+        libc::SYS_sched_setscheduler,
+        vec![me(libc::SCHED_FIFO), me(libc::SCHED_OTHER)],
+    );
 }
 
 fn scheduler(r: &mut Rules) {

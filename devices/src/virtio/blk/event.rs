@@ -33,6 +33,9 @@ impl MutEventSubscriber for Block {
             }
             other => tracing::warn!("virtio-blk: unexpected event token {other}"),
         }
+        // A tight wait that ended without an admission (reset, limit change)
+        // leaves no boost behind.
+        self.timer.settle();
     }
 
     fn init(&mut self, ops: &mut EventOps) {

@@ -364,6 +364,9 @@ impl VirtioDevice for Block {
         }
         let _ = self.timer.disarm();
         self.timer.drain();
+        // No tight wait any more (the device thread drops its boost at its
+        // next event: this may be a vCPU thread).
+        self.timer.not_tight();
         let _ = self.queue_evts[0].read();
         self.engine.acked = 0;
     }

@@ -10,7 +10,8 @@ use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 use super::request::{self, Request, RequestType};
 use super::stats::add;
 use super::throttle::{
-    Decision, Nanos, RequestThrottle, TIGHT_SLACK_NS, ThrottleRequest, ThrottleTimer, monotonic_ns,
+    Decision, Nanos, RequestThrottle, Step, TIGHT_SLACK_NS, ThrottleRequest, ThrottleTimer,
+    monotonic_ns,
 };
 use super::{Active, BUDGET, Block, Engine, Waiting};
 use crate::guest_log::GuestErrorKind;
@@ -263,20 +264,21 @@ pub(super) fn avail_no_interrupt(mem: &GuestMemoryMmap, avail_ring: u64) -> bool
         .unwrap_or(false)
 }
 
-/// Asks the throttle; `Some(at)` if the request must wait, `at` being when to
-/// arm the timer. For a *tight* wait (the throttle's slack is shorter than
-/// [`TIGHT_SLACK_NS`]: a bucket about one request deep, where a late poll
-/// loses rate that no admission rule may give back — see the
-/// `corral-blkthrottle` docs, "Lateness") the timer is armed early by its
-/// measured lateness, and the last stretch (at most
-/// [`EARLY_MAX_NS`](super::throttle::EARLY_MAX_NS)) is
-/// waited on the clock, so the request goes on its due nanosecond.
+/// Asks the throttle; `Some(at)` if the request must wait, `at` being when
+/// (and for which step) to arm the timer. For a *tight* wait (the throttle's slack is shorter
+/// than [`TIGHT_SLACK_NS`]: a bucket about one request deep, where a late
+/// poll loses rate that no admission rule may give back — see the
+/// `corral-blkthrottle` docs, "Lateness") the timer's planner
+/// ([`corral_blkthrottle::Punctual`]) says when to wake: a coarse wake-up at
+/// normal priority, a fine one with the thread boosted, and the last
+/// stretch (at most the planner's margin) waited on the clock, so the
+/// request goes on its due nanosecond.
 fn admit(
     throttle: Option<&mut Box<dyn RequestThrottle>>,
     timer: &ThrottleTimer,
     req: &Request,
     now: Nanos,
-) -> Option<Nanos> {
+) -> Option<Arm> {
     let g = throttle?;
     let gr = match req.kind {
         RequestType::In => ThrottleRequest::read(req.data_len),
@@ -287,28 +289,55 @@ fn admit(
     // At most one wait on the clock: the throttle's instants are exact.
     for _ in 0..2 {
         let until = match g.poll(gr, now) {
-            Decision::Admit => return None,
+            Decision::Admit => {
+                timer.admitted(now);
+                return None;
+            }
             Decision::Wait { until, cause } => {
                 if cause != WaitCause::Disk || g.wait_slack(gr, now) >= TIGHT_SLACK_NS {
-                    return Some(until);
+                    timer.not_tight();
+                    return Some(Arm::Plain(until));
                 }
                 until
             }
         };
-        let early = timer.early_ns();
-        if until > now.saturating_add(early) {
-            return Some(until - early);
-        }
-        while monotonic_ns() < until {
-            std::hint::spin_loop();
+        match timer.plan(now, until) {
+            Step::Coarse { at } => return Some(Arm::Coarse(at)),
+            Step::Fine { at, boost } => {
+                if boost {
+                    timer.boost();
+                }
+                return Some(Arm::Fine(at));
+            }
+            Step::Spin { until, boost } => {
+                if boost {
+                    timer.boost();
+                }
+                while monotonic_ns() < until {
+                    std::hint::spin_loop();
+                }
+            }
         }
         now = monotonic_ns();
     }
-    Some(now)
+    Some(Arm::Plain(now))
 }
 
-fn arm(timer: &ThrottleTimer, until: Nanos) {
-    if let Err(e) = timer.arm_at(until) {
+/// When and why to arm the throttle timer.
+#[derive(Clone, Copy, Debug)]
+enum Arm {
+    Plain(Nanos),
+    Coarse(Nanos),
+    Fine(Nanos),
+}
+
+fn arm(timer: &ThrottleTimer, at: Arm) {
+    let r = match at {
+        Arm::Plain(t) => timer.arm_at(t),
+        Arm::Coarse(t) => timer.arm_coarse(t),
+        Arm::Fine(t) => timer.arm_fine(t),
+    };
+    if let Err(e) = r {
         tracing::error!("virtio-blk: cannot arm the throttle timer: {e}");
     }
 }
