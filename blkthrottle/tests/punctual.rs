@@ -58,12 +58,6 @@ fn run(
             continue;
         }
         match p.plan(now, until) {
-            Step::Coarse { at } => {
-                assert!(at > now);
-                now = at + late(wakes);
-                wakes += 1;
-                p.woke_coarse(at, now);
-            }
             Step::Fine { at, .. } => {
                 assert!(at > now);
                 now = at + late(wakes);
@@ -157,9 +151,7 @@ proptest! {
     ) {
         let most = if boost { 3_000_000 } else { EARLY_MAX_NS * 3 / 4 };
         let late: Vec<u64> = late.iter().map(|&x| x * most / 1000).collect();
-        // A wait is boosted only if its lead and margin (here up to
-        // 2 × 3.77 ms) take at most half of it.
-        let per_request_ns = if boost { per_request_us.max(16_000) * 1000 } else { per_request_us * 1000 };
+        let per_request_ns = per_request_us * 1000;
         let rate = if ops { S / per_request_ns } else { bytes * S / per_request_ns };
         prop_assume!(rate > 0);
         let (l, req) = one_request_deep(ops, rate, bytes);
@@ -218,12 +210,12 @@ fn two_ms_of_lateness_per_wake_up_costs_the_rate_nothing() {
     loss_is_the_lateness(&r, 10 << 20, 128 << 10);
     let err = rate_error(&r.log, 0, 10 << 20, 128 << 10);
     assert!(err.abs() <= 0.001, "rate {:+.4} %", err * 100.0);
-    // Only the first two waits were late: the first coarse wake-up (the
-    // lead not learnt yet: 2 ms − 1.05 ms), then the first fine one (the
-    // margin not learnt yet: 2 ms − 50 µs).
-    assert_eq!(r.lateness.total_ns, 2_900_000, "{:?}", r.lateness);
-    // What it costs: about 2.5 ms on the clock per 12.5 ms request.
-    assert!(r.spun <= 400 * 3 * MS, "spun {} ns", r.spun);
+    // Only the first wait was late: the margin was not learnt yet
+    // (2 ms − EARLY_MIN_NS).
+    assert_eq!(r.lateness.total_ns, 2 * MS - EARLY_MIN_NS, "{:?}", r.lateness);
+    // What it costs: 0.52 ms on the clock per 12.5 ms request (the margin
+    // is 2 ms × 5/4 + 20 µs).
+    assert!(r.spun <= 399 * 520_000, "spun {} ns", r.spun);
 }
 
 /// The same host without the boost (no real-time priority to be had): the

@@ -269,10 +269,10 @@ pub(super) fn avail_no_interrupt(mem: &GuestMemoryMmap, avail_ring: u64) -> bool
 /// than [`TIGHT_SLACK_NS`]: a bucket about one request deep, where a late
 /// poll loses rate that no admission rule may give back — see the
 /// `corral-blkthrottle` docs, "Lateness") the timer's planner
-/// ([`corral_blkthrottle::Punctual`]) says when to wake: a coarse wake-up at
-/// normal priority, a fine one with the thread boosted, and the last
-/// stretch (at most the planner's margin) waited on the clock, so the
-/// request goes on its due nanosecond.
+/// ([`corral_blkthrottle::Punctual`]) says when to wake (early by the
+/// timer's recent lateness) and whether to boost the device thread for the
+/// wait, and the last stretch (at most the planner's margin) is waited on
+/// the clock, so the request goes on its due nanosecond.
 fn admit(
     throttle: Option<&mut Box<dyn RequestThrottle>>,
     timer: &ThrottleTimer,
@@ -302,7 +302,6 @@ fn admit(
             }
         };
         match timer.plan(now, until) {
-            Step::Coarse { at } => return Some(Arm::Coarse(at)),
             Step::Fine { at, boost } => {
                 if boost {
                     timer.boost();
@@ -327,14 +326,12 @@ fn admit(
 #[derive(Clone, Copy, Debug)]
 enum Arm {
     Plain(Nanos),
-    Coarse(Nanos),
     Fine(Nanos),
 }
 
 fn arm(timer: &ThrottleTimer, at: Arm) {
     let r = match at {
         Arm::Plain(t) => timer.arm_at(t),
-        Arm::Coarse(t) => timer.arm_coarse(t),
         Arm::Fine(t) => timer.arm_fine(t),
     };
     if let Err(e) = r {

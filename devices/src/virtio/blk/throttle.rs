@@ -112,11 +112,12 @@ pub fn monotonic_ns() -> Nanos {
 /// thread's priority boost for them.
 ///
 /// The boost is `SCHED_FIFO` priority 1 for the calling thread, taken for
-/// the last stretch of a tight wait (from the planner's coarse wake-up to the
-/// admission, at most half of the wait) and dropped at the admission or as
-/// soon as no tight wait is in progress ([`ThrottleTimer::settle`]). On a
-/// host whose CPUs are busy it is what makes the wake-up punctual (measured
-/// in `corral_blkthrottle::punctual`: 4.8 ms → 38 µs at p99). It needs
+/// a tight wait and dropped at the admission or as soon as no tight wait is
+/// in progress ([`ThrottleTimer::settle`]); the CPU time the thread uses
+/// while boosted is reported to the planner, which suspends the boost when
+/// it exceeds a quarter of the wall time. On a host whose CPUs are busy it
+/// is what makes the wake-up punctual (measured in
+/// `corral_blkthrottle::punctual`: 4.8 ms → 38 µs at p99). It needs
 /// `CAP_SYS_NICE` or an `RLIMIT_RTPRIO` of at least 1; where the kernel
 /// refuses (a jailed VM process without that limit, a cgroup with no
 /// real-time runtime) the planner goes on without it, and
@@ -128,8 +129,9 @@ pub struct ThrottleTimer {
     /// it fires).
     armed: std::cell::Cell<(Nanos, Armed)>,
     punctual: std::cell::RefCell<Punctual>,
-    /// The thread that holds the boost (0: none).
-    boosted: std::cell::Cell<libc::pid_t>,
+    /// The thread that holds the boost (0: none), since when (monotonic
+    /// ns) and its CPU time then.
+    boosted: std::cell::Cell<(libc::pid_t, Nanos, Nanos)>,
 }
 
 /// What the timer was last armed for.
@@ -138,7 +140,7 @@ enum Armed {
     Nothing,
     /// A wait that is not tight, or an instant to re-poll.
     Plain,
-    Coarse,
+    /// A tight wait's wake-up (its lateness is measured).
     Fine,
 }
 
@@ -160,6 +162,17 @@ fn set_policy(policy: libc::c_int, priority: libc::c_int) -> bool {
     // SAFETY: pid 0 is the calling thread; `param` is a valid sched_param
     // that outlives the call.
     unsafe { libc::sched_setscheduler(0, policy, &param) == 0 }
+}
+
+/// The calling thread's CPU time (ns).
+fn thread_cpu_ns() -> Nanos {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes into the timespec we own.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    (ts.tv_sec as u64) * 1_000_000_000 + ts.tv_nsec as u64
 }
 
 fn gettid() -> libc::pid_t {
@@ -186,19 +199,16 @@ impl ThrottleTimer {
             fd,
             armed: std::cell::Cell::new((0, Armed::Nothing)),
             punctual: std::cell::RefCell::new(Punctual::new(boost_wanted())),
-            boosted: std::cell::Cell::new(0),
+            boosted: std::cell::Cell::new((0, 0, 0)),
         })
     }
 
-    /// Notes that the timer fired and was read at `now`: a coarse or fine
-    /// wake-up of a tight wait is reported to the planner (how late it was).
+    /// Notes that the timer fired and was read at `now`: a tight wait's
+    /// wake-up is reported to the planner (how late it was).
     pub fn fired(&self, now: Nanos) {
         let (at, armed) = self.armed.replace((0, Armed::Nothing));
-        let mut p = self.punctual.borrow_mut();
-        match armed {
-            Armed::Coarse => p.woke_coarse(at, now),
-            Armed::Fine => p.woke(at, now),
-            Armed::Plain | Armed::Nothing => {}
+        if armed == Armed::Fine {
+            self.punctual.borrow_mut().woke(at, now);
         }
     }
 
@@ -223,7 +233,7 @@ impl ThrottleTimer {
     /// Drops the boost if no tight wait is in progress (the request was
     /// dropped by a reset, say). Call on the device thread.
     pub fn settle(&self) {
-        if self.boosted.get() != 0 && !self.punctual.borrow().waiting() {
+        if self.boosted.get().0 != 0 && !self.punctual.borrow().waiting() {
             self.unboost();
         }
     }
@@ -231,11 +241,12 @@ impl ThrottleTimer {
     /// Raises the calling thread to `SCHED_FIFO` 1 for a tight wait (once;
     /// if the kernel refuses, the planner stops asking).
     pub fn boost(&self) {
-        if self.boosted.get() != 0 || !self.punctual.borrow().boost() {
+        if self.boosted.get().0 != 0 || !self.punctual.borrow().boost() {
             return;
         }
         if set_policy(libc::SCHED_FIFO, 1) {
-            self.boosted.set(gettid());
+            self.boosted
+                .set((gettid(), monotonic_ns(), thread_cpu_ns()));
         } else {
             let e = io::Error::last_os_error();
             tracing::debug!("virtio-blk: no real-time priority for tight throttle waits: {e}");
@@ -244,12 +255,19 @@ impl ThrottleTimer {
     }
 
     /// Back to `SCHED_OTHER` (the nice value is kept), if this thread holds
-    /// the boost.
+    /// the boost; the CPU time it used meanwhile goes to the planner's
+    /// budget.
     fn unboost(&self) {
-        let tid = self.boosted.get();
+        let (tid, since, cpu) = self.boosted.get();
         if tid != 0 && tid == gettid() {
             set_policy(libc::SCHED_OTHER, 0);
-            self.boosted.set(0);
+            self.boosted.set((0, 0, 0));
+            let now = monotonic_ns();
+            self.punctual.borrow_mut().boost_spent(
+                now,
+                thread_cpu_ns().saturating_sub(cpu),
+                now.saturating_sub(since),
+            );
         }
     }
 
@@ -258,12 +276,7 @@ impl ThrottleTimer {
         self.punctual.borrow().lateness()
     }
 
-    /// Arms for a coarse wake-up of a tight wait at `at`.
-    pub fn arm_coarse(&self, at: Nanos) -> io::Result<()> {
-        self.arm(at, Armed::Coarse)
-    }
-
-    /// Arms for a fine wake-up of a tight wait at `at`.
+    /// Arms for the wake-up of a tight wait at `at`.
     pub fn arm_fine(&self, at: Nanos) -> io::Result<()> {
         self.arm(at, Armed::Fine)
     }
