@@ -350,7 +350,10 @@ mod tests {
     #[test]
     fn lateness_histogram() {
         let mut p = Punctual::new(false);
-        for (i, late) in [0, 5_000, 50_000, 500_000, 5_000_000].into_iter().enumerate() {
+        for (i, late) in [0, 5_000, 50_000, 500_000, 5_000_000]
+            .into_iter()
+            .enumerate()
+        {
             p.plan(i as u64 * 10 * MS, (i as u64 + 1) * 10 * MS);
             p.admitted((i as u64 + 1) * 10 * MS + late);
         }

@@ -212,7 +212,12 @@ fn two_ms_of_lateness_per_wake_up_costs_the_rate_nothing() {
     assert!(err.abs() <= 0.001, "rate {:+.4} %", err * 100.0);
     // Only the first wait was late: the margin was not learnt yet
     // (2 ms − EARLY_MIN_NS).
-    assert_eq!(r.lateness.total_ns, 2 * MS - EARLY_MIN_NS, "{:?}", r.lateness);
+    assert_eq!(
+        r.lateness.total_ns,
+        2 * MS - EARLY_MIN_NS,
+        "{:?}",
+        r.lateness
+    );
     // What it costs: 0.52 ms on the clock per 12.5 ms request (the margin
     // is 2 ms × 5/4 + 20 µs).
     assert!(r.spun <= 399 * 520_000, "spun {} ns", r.spun);
@@ -239,4 +244,3 @@ fn without_the_boost_lateness_beyond_the_cap_costs_its_excess() {
         r.lateness
     );
 }
-
