@@ -5,6 +5,9 @@
 //! fast as they can; the sum of what their devices read stays within the
 //! class's limit (a copy of the group per process let each VM have the
 //! whole limit: the sum was ~2×), also after a live change of the limit.
+//! A VM moved to another class reads against that class's budget; after
+//! a `kill -9` of the daemon, the next one re-attaches the re-adopted VM
+//! processes to its own class pages.
 
 use std::time::{Duration, Instant};
 
@@ -38,33 +41,30 @@ fn rates(d: &Daemon, secs: f64) -> (f64, f64) {
     )
 }
 
-#[test]
-fn a_class_io_limit_binds_the_sum_of_its_vm_processes() {
-    let d = Daemon::start(&[]);
-    let dir = std::env::temp_dir().join(format!("corral-api-io-proc-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let img = |n: &str| {
-        let p = dir.join(n);
+/// The class's limit (bytes/s).
+const LIMIT: f64 = 2_000_000.0;
+
+/// Classes `names` with `bps=2M` (128 KiB bucket), and VMs `va` and `vb`
+/// in the first, each reading its whole 64 MiB disk 64 KiB at a time, 4 in
+/// flight: far more than the limit lets through while the test runs.
+fn two_readers(d: &Daemon, dir: &std::path::Path, names: &[&str]) {
+    std::fs::create_dir_all(dir).unwrap();
+    for c in names {
+        let body =
+            json!({"name": c, "shares": 100, "io": {"bps": LIMIT as u64, "burst_bytes": 131072}});
+        let r = d.req("POST", "/v1/classes", Some(&body.to_string()));
+        assert_eq!(r.status, 201, "{}", r.text());
+    }
+    let job = "probe.mode=blk probe.op=read probe.size=64M probe.bs=64K probe.qd=4";
+    for name in ["va", "vb"] {
+        let p = dir.join(format!("{name}.img"));
         std::fs::File::create(&p)
             .unwrap()
             .set_len(64 << 20)
             .unwrap();
-        p.to_str().unwrap().to_string()
-    };
-    let limit = 2_000_000.0;
-    let r = d.req(
-        "POST",
-        "/v1/classes",
-        Some(r#"{"name":"capped","shares":100,"io":{"bps":2000000,"burst_bytes":131072}}"#),
-    );
-    assert_eq!(r.status, 201, "{}", r.text());
-    // Each guest reads its whole 64 MiB disk, 64 KiB at a time, 4 in
-    // flight: far more than the limit lets through while the test runs.
-    let job = "probe.mode=blk probe.op=read probe.size=64M probe.bs=64K probe.qd=4";
-    for (name, path) in [("va", img("a.img")), ("vb", img("b.img"))] {
         let body = json!({
-            "name": name, "class": "capped", "memory_mib": 64, "cmdline": job,
-            "disks": [{"id": "data", "path": path}]
+            "name": name, "class": names[0], "memory_mib": 64, "cmdline": job,
+            "disks": [{"id": "data", "path": p}]
         });
         let r = d.req("POST", "/v1/vms", Some(&body.to_string()));
         assert_eq!(r.status, 201, "{}", r.text());
@@ -74,6 +74,14 @@ fn a_class_io_limit_binds_the_sum_of_its_vm_processes() {
         (read_bytes(&m, "va") >= 256e3 && read_bytes(&m, "vb") >= 256e3).then_some(())
     })
     .expect("both VMs reading");
+}
+
+#[test]
+fn a_class_io_limit_binds_the_sum_of_its_vm_processes() {
+    let d = Daemon::start(&[]);
+    let dir = std::env::temp_dir().join(format!("corral-api-io-proc-{}", std::process::id()));
+    let limit = LIMIT;
+    two_readers(&d, &dir, &["capped"]);
     // A ceiling on a loaded host: the sum must not exceed the limit by more
     // than 10 % (the burst and the counters' 100 ms freshness are a few %);
     // one copy of the group per process gives 2×.
@@ -120,4 +128,64 @@ fn a_class_io_limit_binds_the_sum_of_its_vm_processes() {
         d.req("DELETE", &format!("/v1/vms/{vm}"), None);
     }
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_moved_vm_switches_group_and_a_readopted_one_rejoins_its_class() {
+    let base = std::env::temp_dir().join(format!("corral-api-io-move-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&base);
+    let sd = base.join("state");
+    let sd = sd.to_str().unwrap();
+    let mut d = Daemon::start(&["--state-dir", sd]);
+    two_readers(&d, &base.join("img"), &["capped", "other"]);
+    // vb moves to `other`: each class's budget is its own, so together they
+    // read past one limit (each within its class's).
+    let r = d.req("POST", "/v1/vms/vb/move", Some(r#"{"class":"other"}"#));
+    assert_eq!(r.status, 200, "{}", r.text());
+    std::thread::sleep(Duration::from_millis(300));
+    let (a, b) = rates(&d, 3.0);
+    eprintln!("vb moved to another bps=2M class: va {a:.0} + vb {b:.0} B/s");
+    assert!(
+        a <= LIMIT * 1.1 && b <= LIMIT * 1.1,
+        "over a class's limit: va {a:.0}, vb {b:.0} B/s"
+    );
+    assert!(
+        a + b > LIMIT * 1.3,
+        "{:.0} B/s: the moved VM still reads against its old class",
+        a + b
+    );
+    // kill -9 of the daemon; the next one re-adopts both VM processes and
+    // attaches them to its own pages: vb moved back into `capped` shares
+    // one budget with va again (were va still on the dead daemon's page,
+    // they would read 2× together).
+    d.child.kill().unwrap();
+    d.child.wait().unwrap();
+    drop(d);
+    let d = Daemon::start(&["--state-dir", sd]);
+    for vm in ["va", "vb"] {
+        let v = d.req("GET", &format!("/v1/vms/{vm}"), None).json();
+        assert_eq!(v["state"], "running", "{v}");
+    }
+    let r = d.req("POST", "/v1/vms/vb/move", Some(r#"{"class":"capped"}"#));
+    assert_eq!(r.status, 200, "{}", r.text());
+    std::thread::sleep(Duration::from_millis(300));
+    let (a, b) = rates(&d, 3.0);
+    eprintln!(
+        "re-adopted, vb back in capped: va {a:.0} + vb {b:.0} = {:.0} B/s",
+        a + b
+    );
+    assert!(
+        a + b <= LIMIT * 1.1,
+        "{:.0} B/s: the re-adopted VM processes do not share their class's budget",
+        a + b
+    );
+    assert!(
+        a > 0.0 && b > 0.0,
+        "a VM did not read: va {a:.0}, vb {b:.0}"
+    );
+    for vm in ["va", "vb"] {
+        d.req("DELETE", &format!("/v1/vms/{vm}"), None);
+    }
+    drop(d);
+    let _ = std::fs::remove_dir_all(&base);
 }
