@@ -83,7 +83,15 @@ impl Manager {
     /// group over the class's page: at its start the daemon passes the page
     /// with its configuration; a re-adopted VM process gets this daemon's
     /// page here (its old one belonged to the last daemon).
-    pub(super) fn attach_class_io(&self, vm: &crate::vmproc::remote::RemoteVm, class: &str) {
+    pub(super) fn attach_class_io(
+        &self,
+        vm: &crate::vmproc::remote::RemoteVm,
+        class: &str,
+        disks: &[DiskRequest],
+    ) {
+        if disks.is_empty() {
+            return;
+        }
         let (group, page) = {
             let st = lock(&self.state);
             (
@@ -92,10 +100,10 @@ impl Manager {
             )
         };
         let Some(group) = group else { return };
-        for d in vm.disks() {
+        for d in disks {
             let g = Some((group.clone(), corral_blkthrottle::DEFAULT_WEIGHT));
-            if let Err(e) = vm.set_disk_group(&d.name, g, page.as_deref()) {
-                tracing::warn!(vm = vm.name(), disk = d.name, "class I/O group: {e}");
+            if let Err(e) = vm.set_disk_group(&d.id, g, page.as_deref()) {
+                tracing::warn!(vm = vm.name(), disk = d.id, "class I/O group: {e}");
             }
         }
     }

@@ -187,8 +187,11 @@ impl Manager {
                 engine: d.engine.map(crate::vmproc::proto::engine_name),
             });
         }
-        // The class group's page goes after the files.
-        let page = lock(&self.state).class_pages.get(class).cloned();
+        // The class group's page goes after the files (for a VM with disks).
+        let page = match disks.iter().any(|d| d.group.is_some()) {
+            true => lock(&self.state).class_pages.get(class).cloned(),
+            false => None,
+        };
         if page.is_some() {
             let i = fds.len();
             for g in disks.iter_mut().filter_map(|d| d.group.as_mut()) {

@@ -48,7 +48,7 @@ impl Manager {
                         continue;
                     }
                     self.images.book(&v.name, files.iter());
-                    self.attach_class_io(&vm, &old.request.class);
+                    self.attach_class_io(&vm, &old.request.class, &old.request.disks);
                     if self.cfg.cpu_backend == CpuBackend::Gate {
                         let gate = Arc::new(Gate::new());
                         vm.relay_gate(gate.clone());
