@@ -362,6 +362,7 @@ pub struct Vm {
     pub created_at: u64,
     pub uptime_seconds: Option<f64>,
     pub cpu_seconds: f64,
+    pub pid: Option<u32>,
     pub exits: BTreeMap<String, u64>,
     pub sched: Option<VmSched>,
 }
@@ -427,6 +428,7 @@ impl From<VmInfo> for Vm {
                 .unwrap_or(0),
             uptime_seconds: v.uptime.map(|d| d.as_secs_f64()),
             cpu_seconds: v.cpu_secs,
+            pid: v.pid,
             exits: v
                 .exits
                 .into_iter()

@@ -82,7 +82,42 @@ fn serve_jails_each_vm_process() {
     }
     let d = Daemon::start(&["--jail-uids", "3221230000:16"]);
     create_with_disk(&d, "jailed");
-    let pid = wait_until(T, || vm_processes(&d).into_iter().next()).expect("no corral vmm process");
+    // With a pid namespace, two processes: the outer one (the launcher's
+    // child, in the host's pid namespace) and its child that runs the VM
+    // as pid 1 of its own; the state file and the API name the latter by
+    // its host pid.
+    let pid_ns = corral_vmm::jail::probe(corral_vmm::jail::NsKind::Pid).is_ok();
+    let pid = wait_until(T, || {
+        let p = vm_processes(&d);
+        p.into_iter()
+            .find(|&p| !pid_ns || status_field(p, "NSpid").is_some_and(|n| n.contains(' ')))
+    })
+    .expect("no corral vmm process");
+    if pid_ns {
+        let nspid = status_field(pid, "NSpid").unwrap();
+        assert_eq!(nspid, format!("{pid} 1"), "pid 1 of its own namespace");
+        assert_ne!(
+            std::fs::read_link("/proc/self/ns/pid").unwrap(),
+            std::fs::read_link(format!("/proc/{pid}/ns/pid")).unwrap()
+        );
+        let v = d.req("GET", "/v1/vms/jailed", None).json();
+        assert_eq!(v["pid"], pid, "the API reports the host pid: {v}");
+        // The outer process: as unprivileged as the VM process, one
+        // thread, under its own seccomp filter (mode 2).
+        let outer: u32 = status_field(pid, "PPid").unwrap().parse().unwrap();
+        assert_eq!(status_field(outer, "NSpid").unwrap(), outer.to_string());
+        assert_eq!(status_field(outer, "Uid"), status_field(pid, "Uid"));
+        for cap in ["CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"] {
+            assert_eq!(status_field(outer, cap).unwrap(), "0000000000000000", "outer {cap}");
+        }
+        assert_eq!(status_field(outer, "NoNewPrivs").unwrap(), "1");
+        assert_eq!(status_field(outer, "Seccomp").unwrap(), "2");
+        assert_eq!(status_field(outer, "Threads").unwrap(), "1");
+        let fds = std::fs::read_dir(format!("/proc/{outer}/fd")).unwrap().count();
+        assert!(fds <= 4, "the outer process holds {fds} fds");
+    } else {
+        eprintln!("SKIP (part): this host refuses a pid namespace; the VM process runs in the host's");
+    }
     let uid = status_field(pid, "Uid").unwrap();
     let first: u32 = uid.split(' ').next().unwrap().parse().unwrap();
     assert!((3_221_230_000..3_221_230_016).contains(&first), "{uid}");

@@ -11,17 +11,74 @@ use corral_vmm::vmproc::proto::{FromVm, Request, Response, ToVm};
 use corral_vmm::vmproc::{adopt, wire};
 use serde_json::{Value, json};
 
-/// The pid of VM `name`'s process (its command line names its control
-/// socket in `state_dir`).
+/// Whether process `pid` is gone: no `/proc` entry, or a zombie (a VM
+/// process whose launcher exited is init's to reap).
+fn gone(pid: i32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => true,
+        Ok(st) => st
+            .rsplit_once(')')
+            .is_some_and(|(_, rest)| rest.trim_start().starts_with(['Z', 'X'])),
+    }
+}
+
+/// The live `corral vmm` processes of VMs of `state_dir` (their command
+/// lines name their control sockets there): with a pid namespace, each
+/// VM's outer process and the one that runs the VM.
+fn vm_processes(state_dir: &Path) -> Vec<i32> {
+    let vms = state_dir.join("vms");
+    let vms = format!("{} ", vms.to_string_lossy());
+    let Ok(rd) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    rd.flatten()
+        .filter_map(|e| {
+            let pid: i32 = e.file_name().to_str()?.parse().ok()?;
+            let cmd = std::fs::read(e.path().join("cmdline")).ok()?;
+            let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
+            let sock = cmd.split(" --socket ").nth(1)?;
+            (cmd.contains(" vmm ") && sock.starts_with(vms.trim_end()) && !gone(pid))
+                .then_some(pid)
+        })
+        .collect()
+}
+
+/// A live process of VM `name`'s (outer or inner), found by its command
+/// line.
 fn vm_pid(state_dir: &Path, name: &str) -> Option<i32> {
     let sock = adopt::control_socket(state_dir, name);
-    let sock = sock.to_string_lossy();
-    std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
-        let pid: i32 = e.file_name().to_str()?.parse().ok()?;
-        let cmd = std::fs::read(e.path().join("cmdline")).ok()?;
-        let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
-        (cmd.contains(" vmm ") && cmd.contains(&format!("{sock} "))).then_some(pid)
+    let sock = format!("{} ", sock.to_string_lossy());
+    vm_processes(state_dir).into_iter().find(|p| {
+        std::fs::read(format!("/proc/{p}/cmdline"))
+            .map(|c| format!("{} ", String::from_utf8_lossy(&c).replace('\0', " ")).contains(&sock))
+            .unwrap_or(false)
     })
+}
+
+/// The host pid of VM `name`'s process, as the API reports it.
+fn api_pid(d: &Daemon, name: &str) -> i32 {
+    let v = get(d, &format!("/v1/vms/{name}"));
+    v["pid"]
+        .as_i64()
+        .unwrap_or_else(|| panic!("no pid for {name}: {v}")) as i32
+}
+
+fn status_field(pid: i32, key: &str) -> Option<String> {
+    let st = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    st.lines()
+        .find_map(|l| l.strip_prefix(&format!("{key}:")))
+        .map(|v| v.split_whitespace().collect::<Vec<_>>().join(" "))
+}
+
+fn pid_namespaces() -> bool {
+    corral_vmm::jail::probe(corral_vmm::jail::NsKind::Pid).is_ok()
+}
+
+fn kill9(pid: i32) {
+    // SAFETY: kill(2) of a VM process of this test's daemon.
+    unsafe {
+        libc::kill(pid, libc::SIGKILL);
+    }
 }
 
 fn idle_vm(name: &str, secs: u32) -> String {
@@ -65,28 +122,55 @@ fn status_on_socket(path: &Path) -> corral_vmm::vmproc::proto::Status {
 #[test]
 fn kill9_of_a_vm_process_fails_that_vm_only() {
     let d = Daemon::start(&[]);
-    for n in ["victim", "other"] {
+    let pid_ns = pid_namespaces();
+    for n in ["victim", "boxed", "other"] {
         let r = d.req("POST", "/v1/vms", Some(&idle_vm(n, 60)));
         assert_eq!(r.status, 201, "{}", r.text());
     }
-    let pid = vm_pid(&d.state_dir, "victim").expect("victim runs in a process of its own");
-    let other = vm_pid(&d.state_dir, "other").expect("other runs in a process of its own");
+    let pid = api_pid(&d, "victim");
+    let other = api_pid(&d, "other");
     assert_ne!(pid, other);
-    // SAFETY: kill(2) of the VM process found above.
-    unsafe {
-        libc::kill(pid, libc::SIGKILL);
+    if pid_ns {
+        // The API's pid is the host's; the VM process is pid 1 inside.
+        assert_eq!(status_field(pid, "NSpid").unwrap(), format!("{pid} 1"));
+    } else {
+        eprintln!("SKIP (part): this host refuses a pid namespace");
     }
+    kill9(pid);
     let v = wait_until(Duration::from_secs(10), || {
         let v = get(&d, "/v1/vms/victim");
         (v["state"] == "failed").then_some(v)
     })
     .unwrap_or_else(|| panic!("victim not failed: {}", get(&d, "/v1/vms/victim")));
     assert_eq!(v["exit"]["reason"], "vm_process", "{v}");
+    assert!(v["pid"].is_null(), "{v}");
     let msg = v["exit"]["message"].as_str().unwrap();
     assert!(
         msg.contains("signal 9") && msg.contains(&pid.to_string()),
         "{msg}"
     );
+    let mut left = 2;
+    if pid_ns {
+        // SIGKILL of the outer process (the launcher's child, outside the
+        // namespace) ends the VM process too.
+        let inner = api_pid(&d, "boxed");
+        let outer: i32 = status_field(inner, "PPid").unwrap().parse().unwrap();
+        assert_ne!(outer, inner);
+        let procs = vm_processes(&d.state_dir);
+        assert!(procs.contains(&outer) && procs.contains(&inner), "{procs:?}");
+        kill9(outer);
+        let v = wait_until(Duration::from_secs(10), || {
+            let v = get(&d, "/v1/vms/boxed");
+            (v["state"] == "failed").then_some(v)
+        })
+        .unwrap_or_else(|| panic!("boxed not failed: {}", get(&d, "/v1/vms/boxed")));
+        assert!(v["exit"]["message"].as_str().unwrap().contains("signal 9"), "{v}");
+        assert!(
+            wait_until(Duration::from_secs(5), || gone(inner).then_some(())).is_some(),
+            "the VM process {inner} outlived its outer process {outer}"
+        );
+        left = 1;
+    }
     // The other VM goes on, and answers.
     let o = get(&d, "/v1/vms/other");
     assert_eq!(o["state"], "running", "{o}");
@@ -99,10 +183,10 @@ fn kill9_of_a_vm_process_fails_that_vm_only() {
             .then_some(())
     });
     assert!(echoed.is_some(), "the other VM stopped answering");
-    // The failed VM's booking is given back.
+    // The failed VMs' bookings are given back.
     let st = wait_until(Duration::from_secs(5), || {
         let st = get(&d, "/v1/status");
-        (st["memory_mib"] == 32).then_some(st)
+        (st["memory_mib"] == 32 * left).then_some(st)
     });
     assert!(st.is_some(), "{}", get(&d, "/v1/status"));
 }
@@ -115,15 +199,12 @@ fn vms_outlive_kill9_of_the_daemon_and_the_next_one_adopts_them() {
     let mut d = Daemon::start(&["--state-dir", sd]);
     let r = d.req("POST", "/v1/vms", Some(&idle_vm("v", 120)));
     assert_eq!(r.status, 201, "{}", r.text());
-    let pid = vm_pid(&dir, "v").expect("v runs in a process");
+    let pid = api_pid(&d, "v");
     d.child.kill().unwrap();
     d.child.wait().unwrap();
     drop(d);
     // The VM runs on without a daemon, and says so.
-    assert!(
-        Path::new(&format!("/proc/{pid}")).exists(),
-        "the VM died with the daemon"
-    );
+    assert!(!gone(pid), "the VM died with the daemon");
     let sock = adopt::control_socket(&dir, "v");
     let st = wait_until(Duration::from_secs(5), || {
         let st = status_on_socket(&sock);
@@ -137,7 +218,7 @@ fn vms_outlive_kill9_of_the_daemon_and_the_next_one_adopts_them() {
     let d = Daemon::start(&["--state-dir", sd]);
     let v = get(&d, "/v1/vms/v");
     assert_eq!(v["state"], "running", "{v}");
-    assert_eq!(vm_pid(&dir, "v"), Some(pid), "the same process");
+    assert_eq!(v["pid"], pid, "the same process: {v}");
     let con = wait_until(Duration::from_secs(5), || {
         let c = d.req("GET", "/v1/vms/v/console", None).text();
         c.contains("PROBE-UP").then_some(c)
@@ -161,10 +242,8 @@ fn vms_outlive_kill9_of_the_daemon_and_the_next_one_adopts_them() {
     );
     let r = d.req("POST", "/v1/vms/v/stop", Some("{}"));
     assert_eq!(r.status, 200, "{}", r.text());
-    let gone = wait_until(Duration::from_secs(10), || {
-        (!Path::new(&format!("/proc/{pid}")).exists()).then_some(())
-    });
-    assert!(gone.is_some(), "stopped, yet its process is still there");
+    let ended = wait_until(Duration::from_secs(10), || gone(pid).then_some(()));
+    assert!(ended.is_some(), "stopped, yet its process is still there");
     drop(d);
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -213,5 +292,111 @@ fn a_hundred_vms_are_readopted_after_a_restart() {
         left.is_some(),
         "VM processes left after the daemon stopped them"
     );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// After a daemon restart on `dir`: every VM process of the state
+/// directory belongs to a VM the daemon reports running (its pid, or that
+/// pid's outer process), and every VM reported running has its process.
+/// Strays (stopped by the new daemon) get a few seconds to end. Returns
+/// the VMs by name with their states.
+fn consistent(d: &Daemon, dir: &Path, why: &str) -> std::collections::BTreeMap<String, String> {
+    let vms = get(d, "/v1/vms");
+    let mut owned = Vec::new();
+    let mut states = std::collections::BTreeMap::new();
+    for v in vms.as_array().unwrap() {
+        let name = v["name"].as_str().unwrap().to_string();
+        let state = v["state"].as_str().unwrap().to_string();
+        if state == "running" {
+            let pid = v["pid"]
+                .as_i64()
+                .unwrap_or_else(|| panic!("{why}: running without a pid: {v}"))
+                as i32;
+            assert!(!gone(pid), "{why}: {name} reported running, its process {pid} is gone");
+            owned.push(pid);
+            if let Some(pp) = status_field(pid, "PPid").and_then(|p| p.parse().ok()) {
+                owned.push(pp);
+            }
+        }
+        states.insert(name, state);
+    }
+    let orphans = wait_until(Duration::from_secs(10), || {
+        let left: Vec<i32> = vm_processes(dir)
+            .into_iter()
+            .filter(|p| !owned.contains(p))
+            .collect();
+        left.is_empty().then_some(())
+    });
+    assert!(
+        orphans.is_some(),
+        "{why}: VM processes the daemon does not know: {:?} (known {owned:?}, VMs {states:?})",
+        vm_processes(dir)
+            .into_iter()
+            .filter(|p| !owned.contains(p))
+            .collect::<Vec<_>>()
+    );
+    states
+}
+
+#[test]
+fn kill9_of_the_daemon_during_a_create_or_a_delete_leaves_no_orphan_and_no_ghost() {
+    let dir = std::env::temp_dir().join(format!("corral-vmproc-{}-crash", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let sd = dir.to_str().unwrap();
+    // A VM that stays throughout, so that every restart also re-adopts.
+    let mut d = Daemon::start(&["--state-dir", sd]);
+    let r = d.req("POST", "/v1/vms", Some(&idle_vm("keep", 300)));
+    assert_eq!(r.status, 201, "{}", r.text());
+    // kill -9 at several points of a create, then of a delete: before the
+    // VM process exists, while it starts, around the state write, after
+    // the answer. The create and the delete take ~50-150 ms here.
+    for (i, delay_ms) in [0u64, 15, 40, 80, 160].into_iter().enumerate() {
+        for op in ["create", "delete"] {
+            let name = format!("c{i}");
+            let (method, path, body) = match op {
+                "create" => ("POST", "/v1/vms".to_string(), Some(idle_vm(&name, 300))),
+                _ => ("DELETE", format!("/v1/vms/{name}"), None),
+            };
+            let mut conn = d.conn();
+            let t = std::thread::spawn(move || conn.req(method, &path, body.as_deref()).status);
+            std::thread::sleep(Duration::from_millis(delay_ms));
+            d.child.kill().unwrap();
+            d.child.wait().unwrap();
+            // 0: no answer (the request's reader panics on the cut connection).
+            let answered = t.join().unwrap_or(0);
+            drop(d);
+            d = Daemon::start(&["--state-dir", sd]);
+            let why = format!("kill -9 {delay_ms} ms into the {op} of {name} (answered {answered})");
+            let states = consistent(&d, &dir, &why);
+            assert_eq!(
+                states.get("keep").map(String::as_str),
+                Some("running"),
+                "{why}: {states:?}"
+            );
+            let st = states.get(&name).map(String::as_str);
+            match op {
+                // Created and adopted, or not there at all.
+                "create" => {
+                    assert!(matches!(st, None | Some("running")), "{why}: {name} is {st:?}");
+                    if answered == 201 {
+                        assert_eq!(st, Some("running"), "{why}: answered, then lost");
+                    }
+                    if st.is_none() {
+                        // The next round deletes it: make it again.
+                        let r = d.req("POST", "/v1/vms", Some(&idle_vm(&name, 300)));
+                        assert_eq!(r.status, 201, "{why}: {}", r.text());
+                    }
+                }
+                // Deleted (its process gone), or still there and running.
+                _ => {
+                    assert!(matches!(st, None | Some("running")), "{why}: {name} is {st:?}");
+                    if answered / 100 == 2 {
+                        assert_eq!(st, None, "{why}: answered, yet still there");
+                    }
+                }
+            }
+        }
+    }
+    drop(d);
     let _ = std::fs::remove_dir_all(&dir);
 }

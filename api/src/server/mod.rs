@@ -282,6 +282,7 @@ pub fn serve(args: ServeArgs, builtin: Arc<[u8]>) -> Result<(), ServeError> {
     // The launcher of VM processes before any filter: it execs `corral vmm`.
     let vm_processes = if args.vm_mode == "process" {
         let exe = std::env::current_exe().map_err(io("finding the corral binary"))?;
+        let pid_namespace = !args.no_jail && check_jail_namespaces()?;
         Some(corral_vmm::manager::VmProcesses {
             launcher: corral_vmm::vmproc::launcher::Launcher::start(&exe)
                 .map_err(io("starting the VM process launcher"))?,
@@ -290,12 +291,12 @@ pub fn serve(args: ServeArgs, builtin: Arc<[u8]>) -> Result<(), ServeError> {
             jail: if args.no_jail {
                 None
             } else {
-                check_jail_namespaces()?;
                 Some(std::sync::Arc::new(
                     corral_vmm::jail::UidPool::new(args.jail_uids)
                         .map_err(|e| ServeError::Config(e.to_string()))?,
                 ))
             },
+            pid_namespace,
         })
     } else {
         None
@@ -460,10 +461,13 @@ async fn run(args: &ServeArgs, group: Option<u32>, mgr: Arc<Manager>) -> Result<
     Ok(stopped)
 }
 
-/// The namespaces a VM process's jail makes (`corral vmm` uses no pid
-/// namespace), tried at start-up: a host that refuses one stops the daemon
-/// here with the reason, not every VM at its start.
-fn check_jail_namespaces() -> Result<(), ServeError> {
+/// The namespaces a VM process's jail makes, tried at start-up: a host
+/// that refuses a mount, IPC, network or UTS namespace stops the daemon
+/// here with the reason, not every VM at its start. The pid namespace is
+/// used where the host allows one (`true`); where it does not (a container
+/// without the privilege), the VM processes run in the daemon's, which is
+/// logged.
+fn check_jail_namespaces() -> Result<bool, ServeError> {
     use corral_vmm::jail::NsKind;
     for k in [NsKind::Mount, NsKind::Ipc, NsKind::Net, NsKind::Uts] {
         if let Err(e) = corral_vmm::jail::probe(k) {
@@ -474,7 +478,15 @@ fn check_jail_namespaces() -> Result<(), ServeError> {
             )));
         }
     }
-    Ok(())
+    match corral_vmm::jail::probe(NsKind::Pid) {
+        Ok(()) => Ok(true),
+        Err(e) => {
+            tracing::warn!(
+                "this host refuses a pid namespace ({e}): the VM processes run in the daemon's"
+            );
+            Ok(false)
+        }
+    }
 }
 
 fn parse_uid_range(s: &str) -> Result<corral_vmm::jail::UidRange, String> {

@@ -126,11 +126,8 @@ fn nspid(status: &str) -> Option<(u32, u32)> {
 /// that namespace's, and the daemon maps them here before it signals a
 /// thread or reads its `/proc/TID` files.
 pub fn host_view(outer: u32) -> std::io::Result<HostView> {
-    let children = std::fs::read_to_string(format!("/proc/{outer}/task/{outer}/children"))?;
-    let pid = match children.split_whitespace().next() {
-        Some(c) => c
-            .parse()
-            .map_err(|_| std::io::Error::other(format!("bad child pid {c:?}")))?,
+    let pid = match child_of(outer)? {
+        Some(c) => c,
         None => outer,
     };
     let mut tids = BTreeMap::new();
@@ -144,4 +141,31 @@ pub fn host_view(outer: u32) -> std::io::Result<HostView> {
         }
     }
     Ok(HostView { pid, tids })
+}
+
+/// The first child of `outer`: from `/proc/PID/task/PID/children`, or,
+/// on a kernel without it (`CONFIG_PROC_CHILDREN`), the process whose
+/// `PPid` is `outer`.
+fn child_of(outer: u32) -> std::io::Result<Option<u32>> {
+    match std::fs::read_to_string(format!("/proc/{outer}/task/{outer}/children")) {
+        Ok(children) => match children.split_whitespace().next() {
+            Some(c) => c
+                .parse()
+                .map(Some)
+                .map_err(|_| std::io::Error::other(format!("bad child pid {c:?}"))),
+            None => Ok(None),
+        },
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            // No such file: the process is gone, or the kernel lacks it.
+            std::fs::metadata(format!("/proc/{outer}"))?;
+            let ppid = format!("{outer}");
+            Ok(std::fs::read_dir("/proc")?.flatten().find_map(|e| {
+                let pid: u32 = e.file_name().to_str()?.parse().ok()?;
+                let st = std::fs::read_to_string(e.path().join("status")).ok()?;
+                let pp = st.lines().find_map(|l| l.strip_prefix("PPid:"))?.trim();
+                (pp == ppid).then_some(pid)
+            }))
+        }
+        Err(e) => Err(e),
+    }
 }

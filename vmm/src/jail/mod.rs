@@ -16,8 +16,11 @@
 //!    the spec asks for; mount always).
 //! 6. With a pid namespace: one `fork` ([`pidns`]). The child goes on as
 //!    pid 1 of the new namespace; the parent never returns from `enter`:
-//!    it waits for the child, forwards termination signals, and exits as
-//!    the child did.
+//!    it drops its privileges like the child and confines itself (no
+//!    core, its standard fds and one pipe, a seccomp filter of a dozen
+//!    syscalls: [`reaper`],
+//!    [`OUTER_SYSCALLS`]), waits for the child, forwards termination
+//!    signals, and exits as the child did.
 //! 7. Mount propagation made private (recursively, from `/`).
 //! 8. A tmpfs on `spec.staging` becomes the private root: the files at
 //!    `/NAME` (read-only, `nosuid,nodev,noexec` where the spec says
@@ -55,6 +58,7 @@ mod forvm;
 mod mounts;
 mod pidns;
 mod probe;
+pub mod reaper;
 mod spec;
 mod status;
 mod uids;
@@ -67,6 +71,7 @@ use rustix::thread::UnshareFlags;
 pub use error::{JailError, Step};
 pub use forvm::{HostView, enter_vm, host_view};
 pub use probe::{NsKind, probe, probe_all};
+pub use reaper::ALLOWED as OUTER_SYSCALLS;
 pub use spec::{
     AS_MARGIN, AS_PER_VCPU, DEFAULT_UID_BASE, DEFAULT_UID_COUNT, JailFile, JailLimits, JailSpec,
     Namespaces, UidRange,

@@ -10,6 +10,9 @@
 //! The child dies with its parent (`PR_SET_PDEATHSIG` = SIGKILL, set again
 //! after the uid change, which clears it); a pipe whose write end only
 //! the parent holds tells the child whether the parent died before that.
+//!
+//! The parent is confined once its privileges are dropped (no core, a
+//! seccomp filter that allows its loop only): see [`super::reaper`].
 
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 
@@ -107,8 +110,13 @@ fn reaper(child: Pid, keep: OwnedFd, mask: SigSet, uid: u32, gid: u32) -> ! {
     // Whatever root and cwd the parent had, the child's pivot_root moves
     // both to the private root (they point at the old root).
     let _ = rustix::process::chdir("/");
-    if let Err(e) = creds::drop_privileges(uid, gid) {
-        eprintln!("corral: jail: the outer process could not drop its privileges: {e}");
+    // Built before the drop: building allocates, the confined loop does not.
+    let confined = super::reaper::filter().and_then(|prog| {
+        creds::drop_privileges(uid, gid).map_err(|e| e.to_string())?;
+        super::reaper::confine(&prog, u64::from(k))
+    });
+    if let Err(e) = confined {
+        eprintln!("corral: jail: the outer process could not confine itself: {e}");
         let _ = nix::sys::signal::kill(child, Signal::SIGKILL);
     }
     loop {

@@ -1,19 +1,36 @@
 //! Per-VM uids for the daemon: [`UidPool`] hands out a uid of its
 //! [`UidRange`] that no running process on the host has and no other VM
 //! holds, for as long as the [`UidLease`] lives.
+//!
+//! Several daemons on one host (each with its own state directory) share
+//! the default range, so a lease is also a host-wide lock: an OFD write
+//! lock on byte `uid` of [`UID_LOCK_FILE`], held until the lease ends (by
+//! then the VM process runs as the uid, and the `/proc` scan of every
+//! other daemon sees it). The scan is made after the lock is taken, so a
+//! uid whose lease another daemon has just given up to its running VM
+//! process is seen busy. Without this, two daemons that created VMs at
+//! once could both pick the lowest free uid, and their VMs would share
+//! it: its `RLIMIT_NPROC`, and the right to signal each other.
 
 use std::collections::BTreeSet;
+use std::os::fd::{AsFd, AsRawFd};
 use std::sync::{Arc, Mutex};
 
 use super::error::JailError;
 use super::spec::UidRange;
 use crate::util::lock;
 
+/// The host-wide lock file of the uid leases (byte `uid` locked while a
+/// daemon leases `uid`).
+pub const UID_LOCK_FILE: &str = "/run/corral/jail-uids.lock";
+
 /// The uids of a range handed out to VM processes.
 #[derive(Debug, Default)]
 pub struct UidPool {
     range: UidRange,
     leased: Arc<Mutex<BTreeSet<u32>>>,
+    /// [`UID_LOCK_FILE`], if it could be opened.
+    host_lock: Option<Arc<std::fs::File>>,
 }
 
 /// One VM's uid, held until the VM process has ended (then dropped).
@@ -21,6 +38,7 @@ pub struct UidPool {
 pub struct UidLease {
     uid: u32,
     leased: Arc<Mutex<BTreeSet<u32>>>,
+    host_lock: Option<Arc<std::fs::File>>,
 }
 
 impl UidLease {
@@ -32,8 +50,48 @@ impl UidLease {
 
 impl Drop for UidLease {
     fn drop(&mut self) {
+        if let Some(f) = &self.host_lock {
+            let _ = byte_lock(&**f, self.uid, false);
+        }
         lock(&self.leased).remove(&self.uid);
     }
+}
+
+/// `fcntl(F_OFD_SETLK)` of byte `at` of `f`: a write lock, or unlocked;
+/// never waits (`EAGAIN`: another open file holds it).
+fn byte_lock(f: &impl AsFd, at: u32, on: bool) -> std::io::Result<()> {
+    // SAFETY: `flock` is a plain C struct; all-zero is a valid value.
+    let mut fl: libc::flock = unsafe { std::mem::zeroed() };
+    fl.l_type = if on { libc::F_WRLCK } else { libc::F_UNLCK } as libc::c_short;
+    fl.l_whence = libc::SEEK_SET as libc::c_short;
+    fl.l_start = libc::off_t::from(at);
+    fl.l_len = 1;
+    // SAFETY: F_OFD_SETLK reads the `flock` we pass, which outlives the
+    // call; the fd is valid for the borrow. l_pid is 0, as OFD locks need.
+    let r = unsafe { libc::fcntl(f.as_fd().as_raw_fd(), libc::F_OFD_SETLK, &fl) };
+    if r < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Opens (creating) the host-wide lock file at `path`, 0600.
+fn open_lock_file(path: &std::path::Path) -> std::io::Result<std::fs::File> {
+    use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+    if let Some(d) = path.parent() {
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(d)?;
+    }
+    std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(path)
 }
 
 /// The real uids of the host's processes that fall in `range` (from
@@ -66,12 +124,30 @@ pub fn uids_running(range: &UidRange) -> BTreeSet<u32> {
 }
 
 impl UidPool {
-    /// A pool over `range` (checked).
+    /// A pool over `range` (checked), leasing host-wide through
+    /// [`UID_LOCK_FILE`] (where it cannot be made, within this daemon
+    /// only, which is logged).
     pub fn new(range: UidRange) -> Result<Self, JailError> {
+        Self::with_lock_file(range, std::path::Path::new(UID_LOCK_FILE))
+    }
+
+    /// [`UidPool::new`] with another lock file.
+    pub fn with_lock_file(range: UidRange, path: &std::path::Path) -> Result<Self, JailError> {
         range.check()?;
+        let host_lock = match open_lock_file(path) {
+            Ok(f) => Some(Arc::new(f)),
+            Err(e) => {
+                tracing::warn!(
+                    "uid leases are not host-wide ({}: {e}): two daemons could pick one uid",
+                    path.display()
+                );
+                None
+            }
+        };
         Ok(Self {
             range,
             leased: Arc::default(),
+            host_lock,
         })
     }
 
@@ -80,28 +156,57 @@ impl UidPool {
         self.range
     }
 
-    /// The lowest uid of the range that is neither leased nor in `busy`.
+    fn exhausted(&self) -> JailError {
+        JailError::Spec(format!(
+            "every uid of the range {}:{} is in use (one per VM process)",
+            self.range.base, self.range.count
+        ))
+    }
+
+    /// The lowest uid of the range that is neither leased (here or, with
+    /// the lock file, by another daemon) nor in `busy`.
     pub fn take_excluding(&self, busy: &BTreeSet<u32>) -> Result<UidLease, JailError> {
+        self.take_with(|_| busy.clone(), busy.clone())
+    }
+
+    /// Takes the lowest uid that no lease holds and that `scan` (made
+    /// after the uid's host lock is taken) does not report busy; `busy`
+    /// are known busy already.
+    fn take_with(
+        &self,
+        scan: impl Fn(&UidRange) -> BTreeSet<u32>,
+        mut busy: BTreeSet<u32>,
+    ) -> Result<UidLease, JailError> {
         let mut leased = lock(&self.leased);
-        let uid = (0..self.range.count)
-            .filter_map(|i| self.range.get(i))
-            .find(|u| !leased.contains(u) && !busy.contains(u))
-            .ok_or_else(|| {
-                JailError::Spec(format!(
-                    "every uid of the range {}:{} is in use (one per VM process)",
-                    self.range.base, self.range.count
-                ))
-            })?;
-        leased.insert(uid);
-        Ok(UidLease {
-            uid,
-            leased: self.leased.clone(),
-        })
+        let mut from = 0;
+        loop {
+            let (i, uid) = (from..self.range.count)
+                .filter_map(|i| Some((i, self.range.get(i)?)))
+                .find(|(_, u)| !leased.contains(u) && !busy.contains(u))
+                .ok_or_else(|| self.exhausted())?;
+            from = i + 1;
+            if let Some(f) = &self.host_lock {
+                if byte_lock(&**f, uid, true).is_err() {
+                    continue; // another daemon leases it
+                }
+                busy = scan(&self.range);
+                if busy.contains(&uid) {
+                    let _ = byte_lock(&**f, uid, false);
+                    continue;
+                }
+            }
+            leased.insert(uid);
+            return Ok(UidLease {
+                uid,
+                leased: self.leased.clone(),
+                host_lock: self.host_lock.clone(),
+            });
+        }
     }
 
     /// A uid no process on the host runs as and no lease holds.
     pub fn take(&self) -> Result<UidLease, JailError> {
-        self.take_excluding(&uids_running(&self.range))
+        self.take_with(uids_running, uids_running(&self.range))
     }
 }
 
@@ -124,6 +229,26 @@ mod tests {
         drop(a);
         assert_eq!(p.take_excluding(&busy).unwrap().uid(), 5001);
         assert!(UidPool::new(UidRange { base: 0, count: 3 }).is_err());
+    }
+
+    #[test]
+    fn two_pools_on_one_lock_file_never_lease_one_uid() {
+        let f = std::env::temp_dir().join(format!("corral-uids-{}.lock", std::process::id()));
+        let r = UidRange {
+            base: 7000,
+            count: 3,
+        };
+        let (a, b) = (
+            UidPool::with_lock_file(r, &f).unwrap(),
+            UidPool::with_lock_file(r, &f).unwrap(),
+        );
+        let none = BTreeSet::new();
+        let x = a.take_excluding(&none).unwrap();
+        let y = b.take_excluding(&none).unwrap();
+        assert_eq!((x.uid(), y.uid()), (7000, 7001), "the second daemon took a leased uid");
+        drop(x);
+        assert_eq!(b.take_excluding(&none).unwrap().uid(), 7000, "given back");
+        let _ = std::fs::remove_file(&f);
     }
 
     #[test]

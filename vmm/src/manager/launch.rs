@@ -223,7 +223,10 @@ impl Manager {
             control_socket: self.control_socket(&cfg.name),
             jail: lease
                 .as_ref()
-                .map(|l| crate::vmproc::proto::JailParams { uid: l.uid() }),
+                .map(|l| crate::vmproc::proto::JailParams {
+                    uid: l.uid(),
+                    pid_namespace: p.pid_namespace,
+                }),
         };
         let mut borrowed: Vec<_> = fds.iter().map(|f| f.file().as_fd()).collect();
         borrowed.extend(page.as_deref().map(|f| f.as_fd()));

@@ -306,6 +306,10 @@ pub struct VmInfo {
     pub uptime: Option<Duration>,
     /// CPU time of all its vCPU threads.
     pub cpu_secs: f64,
+    /// The host pid of its VM process, while one runs it (process mode;
+    /// with a pid namespace, the process that runs the VM, not the outer
+    /// one).
+    pub pid: Option<u32>,
     /// vCPU exits by reason, summed over vCPUs.
     pub exits: Vec<(&'static str, u64)>,
     /// Guest-caused device errors: (device, kind, count).

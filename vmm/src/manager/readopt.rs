@@ -23,19 +23,32 @@ impl Manager {
             return adopted;
         };
         let t0 = std::time::Instant::now();
-        for v in &file.vms {
-            let Some(rec) = &v.process else { continue };
-            let Some(old) = lock(&self.state).vms.get(&v.name).cloned() else {
-                continue;
-            };
-            let run = match adopt(
+        let todo: Vec<_> = file
+            .vms
+            .iter()
+            .filter_map(|v| {
+                let rec = v.process.as_ref()?;
+                let old = lock(&self.state).vms.get(&v.name).cloned()?;
+                Some((v, rec, old))
+            })
+            .collect();
+        // The handshakes (connect, status, files, adopt: four round trips
+        // with a VM process, each a wake-up of its threads) in parallel;
+        // the booking below is serial and cheap.
+        let results = parallel_map(&todo, ADOPT_WORKERS, |(v, rec, _)| {
+            adopt(
                 dir,
                 &v.name,
                 &rec.nonce,
                 rec.pid,
                 self.cfg.console_log_bytes,
                 &p.launcher,
-            ) {
+            )
+        });
+        let handshakes = t0.elapsed();
+        for ((v, _, old), adopted_as) in todo.into_iter().zip(results) {
+            let Some(adopted_as) = adopted_as else { continue };
+            let run = match adopted_as {
                 Adopted::Running(vm, files) => {
                     let spec = VmSpec {
                         cap: old.request.cap,
@@ -89,9 +102,43 @@ impl Manager {
         tracing::info!(
             adopted = adopted.len(),
             strays,
+            handshakes_ms = handshakes.as_secs_f64() * 1e3,
             ms = t0.elapsed().as_secs_f64() * 1e3,
             "VM processes of the last daemon re-adopted"
         );
         adopted
     }
+}
+
+/// How many VM processes are adopted at once.
+const ADOPT_WORKERS: usize = 8;
+
+/// `f` of each item, on up to `workers` threads; results in item order
+/// (`None` only if a worker died, which the scope then reports).
+fn parallel_map<T: Sync, R: Send>(
+    items: &[T],
+    workers: usize,
+    f: impl Fn(&T) -> R + Sync,
+) -> Vec<Option<R>> {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let next = AtomicUsize::new(0);
+    let out: Vec<std::sync::Mutex<Option<R>>> =
+        items.iter().map(|_| std::sync::Mutex::new(None)).collect();
+    std::thread::scope(|s| {
+        for _ in 0..workers.min(items.len()) {
+            s.spawn(|| {
+                loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    let Some(item) = items.get(i) else { return };
+                    let r = f(item);
+                    if let Some(slot) = out.get(i) {
+                        *lock(slot) = Some(r);
+                    }
+                }
+            });
+        }
+    });
+    out.into_iter()
+        .map(|m| m.into_inner().unwrap_or_else(|p| p.into_inner()))
+        .collect()
 }

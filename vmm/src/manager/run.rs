@@ -29,6 +29,10 @@ pub struct VmProcesses {
     /// Jail each VM process ([`crate::jail`]) with a uid of its own from
     /// this pool; `None`: not jailed (`--no-jail`).
     pub jail: Option<Arc<crate::jail::UidPool>>,
+    /// A jailed VM process runs in a pid namespace of its own (`serve`
+    /// sets this where the host allows one). The daemon then addresses it
+    /// by host ids only ([`crate::vmproc::hostids`]).
+    pub pid_namespace: bool,
 }
 
 /// A VM's run: threads of this process, or a process of its own.

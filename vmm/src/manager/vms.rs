@@ -50,6 +50,11 @@ impl Manager {
             created: e.created,
             uptime: running.then(|| e.handle.uptime()),
             cpu_secs: e.cpu_ns(running).max(sched_cpu_ns) as f64 / 1e9,
+            pid: e
+                .handle
+                .remote()
+                .filter(|_| e.handle.exit_reason().is_none())
+                .map(|r| r.pid()),
             exits: exits.into_iter().collect(),
             guest_errors: e.handle.guest_errors(),
             sched,

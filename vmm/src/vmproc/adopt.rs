@@ -25,24 +25,15 @@ pub fn control_socket(dir: &Path, name: &str) -> PathBuf {
 /// Longest path of a Unix socket (`sun_path` less its NUL).
 pub const MAX_SOCKET_PATH: usize = 107;
 
-/// Connects to a VM process's control socket.
-pub fn connect(path: &Path) -> std::io::Result<OwnedFd> {
-    use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
-    let s = rustix::net::socket_with(
-        AddressFamily::UNIX,
-        SocketType::SEQPACKET,
-        SocketFlags::CLOEXEC,
-        None,
-    )?;
-    rustix::net::connect(&s, &SocketAddrUnix::new(path)?)?;
-    Ok(s)
-}
+pub use super::wire::connect;
 
 /// One request and its answer (and files), before the reader thread runs.
 fn ask(sock: &OwnedFd, id: u64, req: Request) -> Result<(Response, Vec<OwnedFd>), VmError> {
     wire::send(sock, &ToVm { id, req }, &[]).map_err(wire_err)?;
     loop {
-        if !readable(sock.as_fd(), Duration::from_secs(3)) {
+        // As long as any request (a loaded host, and up to eight adoptions
+        // at once).
+        if !readable(sock.as_fd(), Duration::from_secs(8)) {
             return Err(wire_err("no answer"));
         }
         match wire::recv::<FromVm>(sock).map_err(wire_err)? {
@@ -116,13 +107,24 @@ pub fn adopt(
             .collect(),
         _ => Vec::new(),
     };
-    let vm = Arc::new(RemoteVm::attach(
+    // The process that listens on the socket (the kernel says which: the
+    // VM process made it before its jail, so with a pid namespace this is
+    // the outer process), not the pid it reports or the state file's.
+    let outer = match wire::peer_pid(&sock) {
+        Ok(p) => p,
+        Err(e) => return gone(format!("its control socket has no peer process ({e})")),
+    };
+    let vm = match RemoteVm::attach(
         sock,
         status,
+        outer,
         files.clone(),
         launcher.clone(),
         console_bytes,
-    ));
+    ) {
+        Ok(vm) => Arc::new(vm),
+        Err(e) => return gone(format!("not adopted: {e}")),
+    };
     if let Err(e) = vm.call(Request::Adopt { console_from: 0 }) {
         vm.forget();
         return gone(format!("adoption failed: {e}"));

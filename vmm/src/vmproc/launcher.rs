@@ -85,24 +85,9 @@ impl Launcher {
     /// thread that must not be forked around exists).
     pub fn start(exe: &Path) -> std::io::Result<Arc<Launcher>> {
         let (ours, theirs) = wire::pair()?;
-        let raw = theirs.as_raw_fd();
         let mut cmd = std::process::Command::new(exe);
-        cmd.arg("vmm-launcher").stdin(std::process::Stdio::null());
-        // SAFETY: between fork and exec only async-signal-safe calls:
-        // dup2 of an fd we own onto CHILD_FD (clearing close-on-exec).
-        unsafe {
-            cmd.pre_exec(move || {
-                if libc::dup2(raw, CHILD_FD) < 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            });
-        }
-        if raw == CHILD_FD {
-            // dup2 onto itself keeps close-on-exec: clear it.
-            rustix::io::fcntl_setfd(&theirs, rustix::io::FdFlags::empty())?;
-        }
-        let child = cmd.spawn()?;
+        cmd.arg("vmm-launcher");
+        let child = spawn_with_fd(cmd, &theirs, false)?;
         drop(theirs);
         // The launcher is reaped by init when it ends after us; we never
         // wait for it (it ends when our socket closes).
@@ -231,6 +216,46 @@ impl Launcher {
     }
 }
 
+/// Spawns `cmd` with `fd` as its fd [`CHILD_FD`] (every other fd of ours
+/// is close-on-exec) and stdin from `/dev/null`. With `own_group` (a VM
+/// that may outlive the daemon) the child gets a process group of its own
+/// (no signal to the daemon's group reaches it) and ignores SIGHUP (a
+/// closing terminal), but stays in the daemon's session: a new session
+/// would be a new scheduler autogroup (`kernel.sched_autogroup_enabled`),
+/// which CFS weighs as one task against everything else, and the shares
+/// would no longer hold beside an outside load (3:1 became 71:29 with a
+/// busy loop).
+fn spawn_with_fd(
+    mut cmd: std::process::Command,
+    fd: &OwnedFd,
+    own_group: bool,
+) -> std::io::Result<std::process::Child> {
+    let raw = fd.as_raw_fd();
+    if raw == CHILD_FD {
+        // dup2 onto itself keeps close-on-exec: clear it (in the parent,
+        // whose copy closes when `fd` is dropped after the spawn).
+        rustix::io::fcntl_setfd(fd, rustix::io::FdFlags::empty())?;
+    }
+    cmd.stdin(std::process::Stdio::null());
+    // SAFETY: only async-signal-safe calls between fork and exec: dup2 of
+    // an fd we own onto CHILD_FD (clearing close-on-exec), setpgid, signal.
+    unsafe {
+        cmd.pre_exec(move || {
+            if raw != CHILD_FD && libc::dup2(raw, CHILD_FD) < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            if own_group {
+                if libc::setpgid(0, 0) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                libc::signal(libc::SIGHUP, libc::SIG_IGN);
+            }
+            Ok(())
+        });
+    }
+    cmd.spawn()
+}
+
 fn describe(status: std::process::ExitStatus) -> String {
     match (status.code(), status.signal()) {
         (Some(c), _) => format!("exit status {c}"),
@@ -298,43 +323,16 @@ pub fn launcher_main() -> i32 {
                         message: "no socket passed".into(),
                     },
                     Some(vm_sock) => {
-                        let raw = vm_sock.as_raw_fd();
                         let mut cmd = std::process::Command::new(&exe);
                         cmd.arg("vmm")
                             .arg("--fd")
                             .arg(CHILD_FD.to_string())
                             .arg("--name")
-                            .arg(&name)
-                            .stdin(std::process::Stdio::null());
+                            .arg(&name);
                         if let Some(s) = &socket {
                             cmd.arg("--socket").arg(s);
                         }
-                        // A VM that may outlive the daemon gets a process
-                        // group of its own (no signal to the daemon's group
-                        // reaches it) and ignores SIGHUP (a closing
-                        // terminal), but stays in the daemon's session: a
-                        // new session would be a new scheduler autogroup
-                        // (`kernel.sched_autogroup_enabled`), which CFS
-                        // weighs as one task against everything else, and
-                        // the shares would no longer hold beside an outside
-                        // load (3:1 became 71:29 with a busy loop).
-                        // SAFETY: only async-signal-safe calls between fork
-                        // and exec: dup2 onto CHILD_FD, setpgid, signal.
-                        unsafe {
-                            cmd.pre_exec(move || {
-                                if libc::dup2(raw, CHILD_FD) < 0 {
-                                    return Err(std::io::Error::last_os_error());
-                                }
-                                if setsid {
-                                    if libc::setpgid(0, 0) < 0 {
-                                        return Err(std::io::Error::last_os_error());
-                                    }
-                                    libc::signal(libc::SIGHUP, libc::SIG_IGN);
-                                }
-                                Ok(())
-                            });
-                        }
-                        match cmd.spawn() {
+                        match spawn_with_fd(cmd, &vm_sock, setsid) {
                             Ok(ch) => {
                                 let pid = ch.id();
                                 lock(&children).insert(pid, ch);

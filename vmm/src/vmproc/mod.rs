@@ -4,6 +4,7 @@
 //! ([`launcher`]) and its view of one ([`remote::RemoteVm`]).
 
 pub mod adopt;
+pub mod hostids;
 pub mod launcher;
 pub mod proto;
 pub mod remote;

@@ -80,6 +80,10 @@ pub struct VmSpec {
 pub struct JailParams {
     /// Its uid and gid (one per VM, from the daemon's `--jail-uids`).
     pub uid: u32,
+    /// In a pid namespace of its own (the jail forks: the process the
+    /// launcher started stays outside as the reaper).
+    #[serde(default)]
+    pub pid_namespace: bool,
 }
 
 /// A file passed with the configuration.

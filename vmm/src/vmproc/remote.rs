@@ -15,6 +15,7 @@ use corral_blkthrottle::{Limits, ThrottleGroup};
 use corral_devices::ConsoleLog;
 use corral_scheduler::Gate;
 
+use super::hostids::{HostIds, host_ids};
 use super::launcher::Launcher;
 use super::proto::{
     FromVm, GroupSpec, Hello, PROTOCOL_VERSION, Request, Response, Stats, Status, ToVm, VmSpec,
@@ -47,13 +48,12 @@ struct Inner {
 /// A VM running in its own process, as the daemon sees it.
 pub struct RemoteVm {
     name: String,
-    pid: u32,
+    /// Host ids (pid, outer pid, thread ids): see [`HostIds`].
+    ids: HostIds,
     nonce: String,
     inner: Arc<Inner>,
     next_id: AtomicU64,
     started: Instant,
-    vcpu_tids: Vec<libc::pid_t>,
-    device_tid: Option<libc::pid_t>,
     files: Vec<HostFile>,
     paused: AtomicBool,
     reader: Mutex<Option<JoinHandle<()>>>,
@@ -66,7 +66,7 @@ impl std::fmt::Debug for RemoteVm {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RemoteVm")
             .field("name", &self.name)
-            .field("pid", &self.pid)
+            .field("pid", &self.ids.pid)
             .finish_non_exhaustive()
     }
 }
@@ -133,23 +133,31 @@ impl RemoteVm {
             }
             Err(e) => return Err(fail(wire_err(e))),
         };
-        Ok(Self::attach(
+        Self::attach(
             ours,
             status,
+            pid,
             keep,
             launcher.clone(),
             console_bytes,
-        ))
+        )
+        .map_err(fail)
     }
 
-    /// The daemon's side of a running VM process on `sock`.
+    /// The daemon's side of a running VM process on `sock`, started as
+    /// `outer` (the launcher's child, or the peer of its control socket):
+    /// its host ids are found first ([`host_ids`]); a process whose threads
+    /// are not where it says is refused.
     pub(super) fn attach(
         sock: OwnedFd,
         status: Status,
+        outer: u32,
         files: Vec<HostFile>,
         launcher: Arc<Launcher>,
         console_bytes: usize,
-    ) -> RemoteVm {
+    ) -> Result<RemoteVm, VmError> {
+        let ids = host_ids(outer, &status)
+            .map_err(|e| wire_err(format!("the host ids of process {outer}: {e}")))?;
         let inner = Arc::new(Inner {
             sock,
             pending: Mutex::new(HashMap::new()),
@@ -162,34 +170,38 @@ impl RemoteVm {
         let reader = {
             let inner = inner.clone();
             let name = status.name.clone();
-            let pid = status.pid;
+            let (pid, outer) = (ids.pid, ids.outer);
             let launcher = launcher.clone();
             std::thread::Builder::new()
-                .name(format!("vmproc-{}", status.pid))
-                .spawn(move || read_loop(&inner, &name, pid, &launcher))
+                .name(format!("vmproc-{pid}"))
+                .spawn(move || read_loop(&inner, &name, pid, outer, &launcher))
                 .ok()
         };
-        RemoteVm {
+        Ok(RemoteVm {
             name: status.name,
-            pid: status.pid,
+            ids,
             nonce: status.nonce,
             inner,
             next_id: AtomicU64::new(1),
             started: Instant::now() - Duration::from_secs_f64(status.uptime_secs.max(0.0)),
-            vcpu_tids: status.vcpu_tids,
-            device_tid: status.device_tid,
             files,
             paused: AtomicBool::new(status.paused),
             reader: Mutex::new(reader),
             relay: Mutex::new(None),
             stats: Mutex::new(None),
             launcher,
-        }
+        })
     }
 
-    /// The process id.
+    /// The host pid of the process that runs the VM (with a pid namespace,
+    /// the jail's outer process's child).
     pub fn pid(&self) -> u32 {
-        self.pid
+        self.ids.pid
+    }
+
+    /// Its host ids: pid, the outer process, the vCPU and device threads.
+    pub fn host_ids(&self) -> &HostIds {
+        &self.ids
     }
 
     /// The run's identity.
@@ -494,8 +506,8 @@ impl RemoteVm {
             self.stop();
         }
         if !self.wait_gone(Duration::from_secs(10)) {
-            tracing::warn!(vm = %self.name, pid = self.pid, "the VM process did not exit: killing it");
-            self.launcher.kill(self.pid);
+            tracing::warn!(vm = %self.name, pid = self.ids.pid, "the VM process did not exit: killing it");
+            self.launcher.kill(self.ids.outer);
             self.wait_gone(Duration::from_secs(5));
         }
         self.stop_relay();
@@ -515,14 +527,15 @@ impl RemoteVm {
         true
     }
 
-    /// vCPU thread ids (in the VM process).
+    /// The vCPU threads' host tids (mapped from the VM process's pid
+    /// namespace: [`HostIds`]), for kicks, `/proc/TID` reads and cgroups.
     pub fn vcpu_tids(&self) -> &[libc::pid_t] {
-        &self.vcpu_tids
+        &self.ids.vcpu_tids
     }
 
-    /// The device thread's id.
+    /// The device thread's host tid.
     pub fn device_tid(&self) -> Option<libc::pid_t> {
-        self.device_tid
+        self.ids.device_tid
     }
 
     /// Drives the VM process's scheduler gate from `gate`, the daemon's
@@ -542,7 +555,7 @@ impl RemoteVm {
         let weak = Arc::downgrade(self);
         let g = gate.clone();
         let t = std::thread::Builder::new()
-            .name(format!("relay-{}", self.pid))
+            .name(format!("relay-{}", self.ids.pid))
             .spawn(move || {
                 // A hop between the scheduler thread and the vCPUs: it must
                 // wake on time beside busy vCPUs and outside loads.
@@ -600,8 +613,9 @@ impl Drop for RemoteVm {
     }
 }
 
-/// The reader thread of one VM process.
-fn read_loop(inner: &Inner, name: &str, pid: u32, launcher: &Launcher) {
+/// The reader thread of one VM process (host pid `pid`, started as
+/// `outer`, whose end the launcher reports).
+fn read_loop(inner: &Inner, name: &str, pid: u32, outer: u32, launcher: &Launcher) {
     let mut console_total: u64 = 0;
     loop {
         match wire::recv::<FromVm>(inner.sock.as_fd()) {
@@ -644,7 +658,7 @@ fn read_loop(inner: &Inner, name: &str, pid: u32, launcher: &Launcher) {
     let missing = lock(&inner.exit).is_none();
     if missing {
         let how = launcher
-            .exit_status(pid, Duration::from_millis(500))
+            .exit_status(outer, Duration::from_millis(500))
             .unwrap_or_else(|| "how is unknown".into());
         tracing::warn!(vm = name, pid, "the VM process ended: {how}");
         let mut g = lock(&inner.exit);

@@ -147,7 +147,10 @@ pub fn run(sock: OwnedFd, builtin: Arc<[u8]>) -> Result<i32, VmProcessError> {
     // The control socket and the exit record are the process's only paths
     // on the host: made before the jail, used by fd after it.
     let listener = match &spec.control_socket {
-        Some(path) => match listen(path) {
+        Some(path) => match wire::listen(path).and_then(|l| {
+            let _ = std::fs::remove_file(path.with_extension("exit"));
+            Ok(l)
+        }) {
             Ok(l) => Some(l),
             Err(e) => {
                 let message = format!("control socket {}: {e}", path.display());
@@ -178,12 +181,12 @@ pub fn run(sock: OwnedFd, builtin: Arc<[u8]>) -> Result<i32, VmProcessError> {
                 .control_socket
                 .as_ref()
                 .and_then(|p| open_exit_record(&p.with_extension("exit")));
-            // No pid namespace: the daemon addresses this process and its
-            // threads by the pid and tids it reports (its CPU clocks in
-            // /proc/TID, kicks), which a pid namespace would renumber
-            // (jail::host_view maps them, for when the daemon uses it).
+            // With a pid namespace the jail forks: this process stays
+            // outside as the reaper, the child runs the VM as pid 1 and
+            // reports its namespace's ids, which the daemon maps to the
+            // host's (`vmproc::hostids`).
             let ns = crate::jail::Namespaces {
-                pid: false,
+                pid: j.pid_namespace,
                 ..Default::default()
             };
             match crate::jail::enter_vm(&cfg, j.uid, ns) {
@@ -240,7 +243,23 @@ pub fn run(sock: OwnedFd, builtin: Arc<[u8]>) -> Result<i32, VmProcessError> {
         supervised: AtomicBool::new(true),
         control_socket: spec.control_socket.clone(),
     });
-    vm.link.send(&FromVm::Started(vm.status()));
+    // A daemon that died before it heard `Started` never recorded this
+    // VM: there is nobody to adopt it, and the next daemon may have looked
+    // for strays before the control socket existed. Stop rather than run
+    // on as an orphan. (One that dies after hearing it finds the socket
+    // bound, which was done first: it adopts the VM or stops it as a stray.)
+    if wire::send(&*sock, &FromVm::Started(vm.status()), &[]).is_err() {
+        tracing::warn!(
+            vm = vm.handle.name(),
+            "the daemon went away before the VM was started: stopping it"
+        );
+        vm.handle.stop();
+        vm.handle.join();
+        if let Some(path) = &vm.control_socket {
+            let _ = std::fs::remove_file(path);
+        }
+        return Ok(0);
+    }
     if let Some(l) = listener {
         let vm = vm.clone();
         std::thread::Builder::new()
@@ -311,24 +330,6 @@ fn open_exit_record(path: &std::path::Path) -> Option<std::fs::File> {
         .open(path)
         .map_err(|e| tracing::warn!(path = %path.display(), "exit record: {e}"))
         .ok()
-}
-
-/// Listens on `path` (SOCK_SEQPACKET, mode 0600), replacing a stale file.
-fn listen(path: &std::path::Path) -> std::io::Result<OwnedFd> {
-    use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
-    let s = rustix::net::socket_with(
-        AddressFamily::UNIX,
-        SocketType::SEQPACKET,
-        SocketFlags::CLOEXEC,
-        None,
-    )?;
-    let addr = SocketAddrUnix::new(path)?;
-    let _ = std::fs::remove_file(path);
-    let _ = std::fs::remove_file(path.with_extension("exit"));
-    rustix::net::bind(&s, &addr)?;
-    std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
-    rustix::net::listen(&s, 8)?;
-    Ok(s)
 }
 
 /// The process's throttle group `g.name`: attached to the shared page
@@ -589,10 +590,31 @@ impl VmProcess {
                     return;
                 }
             };
-            let vm = self.clone();
-            let _ = std::thread::Builder::new()
-                .name("control".into())
-                .spawn(move || vm.serve_connection(c));
+            // A thread per connection; one that cannot be had now (the
+            // jail's RLIMIT_NPROC, while the threads of connections just
+            // closed are still ending) is retried for a while rather than
+            // dropping the daemon's connection unanswered.
+            let mut tries = 0;
+            loop {
+                let (vm, c) = (self.clone(), c.clone());
+                match std::thread::Builder::new()
+                    .name("control".into())
+                    .spawn(move || vm.serve_connection(c))
+                {
+                    Ok(_) => break,
+                    Err(e) if tries < 100 => {
+                        tries += 1;
+                        if tries == 1 {
+                            tracing::warn!(vm = self.handle.name(), "control thread: {e}; retrying");
+                        }
+                        std::thread::sleep(Duration::from_millis(20));
+                    }
+                    Err(e) => {
+                        tracing::warn!(vm = self.handle.name(), "control thread: {e}; connection dropped");
+                        break;
+                    }
+                }
+            }
         }
     }
 

@@ -39,6 +39,49 @@ pub fn pair() -> std::io::Result<(OwnedFd, OwnedFd)> {
     )?)
 }
 
+/// An unbound SOCK_SEQPACKET Unix socket (close-on-exec).
+fn socket() -> std::io::Result<OwnedFd> {
+    Ok(rustix::net::socket_with(
+        AddressFamily::UNIX,
+        SocketType::SEQPACKET,
+        SocketFlags::CLOEXEC,
+        None,
+    )?)
+}
+
+/// Listens on `path` (a VM process's control socket: mode 0600, backlog
+/// 8), replacing a stale file there.
+pub fn listen(path: &std::path::Path) -> std::io::Result<OwnedFd> {
+    let s = socket()?;
+    let addr = rustix::net::SocketAddrUnix::new(path)?;
+    let _ = std::fs::remove_file(path);
+    rustix::net::bind(&s, &addr)?;
+    std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
+    rustix::net::listen(&s, 8)?;
+    Ok(s)
+}
+
+/// Connects to the control socket at `path`.
+pub fn connect(path: &std::path::Path) -> std::io::Result<OwnedFd> {
+    let s = socket()?;
+    rustix::net::connect(&s, &rustix::net::SocketAddrUnix::new(path)?)?;
+    Ok(s)
+}
+
+/// The pid, in the caller's pid namespace, of the process that listens on
+/// the other end of the connected `sock` (`SO_PEERCRED`: the kernel's
+/// record of the process that called `listen`, which no peer can forge).
+pub fn peer_pid(sock: impl AsFd) -> std::io::Result<u32> {
+    // nix, not rustix: rustix's `UCred` holds a non-zero `Pid`, and the
+    // kernel reports 0 for a peer that has no pid in our namespace.
+    let c = nix::sys::socket::getsockopt(&sock, nix::sys::socket::sockopt::PeerCredentials)
+        .map_err(std::io::Error::from)?;
+    match u32::try_from(c.pid()) {
+        Ok(p) if p > 0 => Ok(p),
+        _ => Err(std::io::Error::other("no peer process")),
+    }
+}
+
 /// Sends `msg` (and `fds`) as one datagram.
 pub fn send<T: Serialize>(
     sock: impl AsFd,

@@ -1,0 +1,59 @@
+//! A VM process's ids as the host numbers them ([`host_ids`]). A jailed
+//! VM process runs in a pid namespace of its own: the pid and thread ids it
+//! reports (`getpid`, `gettid`) are that namespace's (it is pid 1), and the
+//! process its launcher started is the jail's outer process, not the one
+//! that runs the VM. The daemon signals threads (`tgkill`), reads their
+//! `/proc/TID` files, places them in cgroups and records the pid for the
+//! next daemon by host ids only: each goes through here once, when the
+//! daemon attaches to the process (at start, and when it re-adopts it).
+
+use super::proto::Status;
+
+/// A VM process seen from the host.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HostIds {
+    /// The process its launcher started, which the launcher reaps and
+    /// kills: with a pid namespace, the jail's outer process (SIGKILL of it
+    /// ends the VM too); without, the VM process itself.
+    pub outer: u32,
+    /// The process that runs the VM (its vCPU and device threads), in the
+    /// host's pid namespace: what the API and the state file report.
+    pub pid: u32,
+    /// The vCPU threads' host tids, in vCPU order.
+    pub vcpu_tids: Vec<libc::pid_t>,
+    /// The device thread's host tid.
+    pub device_tid: Option<libc::pid_t>,
+}
+
+/// The host ids of the VM process behind `outer` (the pid its launcher
+/// reported, or the peer of its control socket), from what it `reported`
+/// about itself. Only `/proc` is believed: the process that runs the VM is
+/// `outer`'s child (or `outer`), and every thread id it reported must be
+/// one of that process's threads (`NSpid` of `/proc/PID/task/*/status`),
+/// so a VM process that lies can name none but its own threads. Fails if
+/// a reported thread is not there.
+pub fn host_ids(outer: u32, reported: &Status) -> std::io::Result<HostIds> {
+    let view = crate::jail::host_view(outer)?;
+    let map = |t: libc::pid_t| -> std::io::Result<libc::pid_t> {
+        u32::try_from(t)
+            .ok()
+            .and_then(|t| view.host_tid(t))
+            .and_then(|h| libc::pid_t::try_from(h).ok())
+            .ok_or_else(|| {
+                std::io::Error::other(format!(
+                    "thread {t} that the VM process reported is not one of process {}'s",
+                    view.pid
+                ))
+            })
+    };
+    Ok(HostIds {
+        outer,
+        pid: view.pid,
+        vcpu_tids: reported
+            .vcpu_tids
+            .iter()
+            .map(|&t| map(t))
+            .collect::<Result<_, _>>()?,
+        device_tid: reported.device_tid.map(map).transpose()?,
+    })
+}
