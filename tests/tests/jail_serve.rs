@@ -108,15 +108,23 @@ fn serve_jails_each_vm_process() {
         assert_eq!(status_field(outer, "NSpid").unwrap(), outer.to_string());
         assert_eq!(status_field(outer, "Uid"), status_field(pid, "Uid"));
         for cap in ["CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"] {
-            assert_eq!(status_field(outer, cap).unwrap(), "0000000000000000", "outer {cap}");
+            assert_eq!(
+                status_field(outer, cap).unwrap(),
+                "0000000000000000",
+                "outer {cap}"
+            );
         }
         assert_eq!(status_field(outer, "NoNewPrivs").unwrap(), "1");
         assert_eq!(status_field(outer, "Seccomp").unwrap(), "2");
         assert_eq!(status_field(outer, "Threads").unwrap(), "1");
-        let fds = std::fs::read_dir(format!("/proc/{outer}/fd")).unwrap().count();
+        let fds = std::fs::read_dir(format!("/proc/{outer}/fd"))
+            .unwrap()
+            .count();
         assert!(fds <= 4, "the outer process holds {fds} fds");
     } else {
-        eprintln!("SKIP (part): this host refuses a pid namespace; the VM process runs in the host's");
+        eprintln!(
+            "SKIP (part): this host refuses a pid namespace; the VM process runs in the host's"
+        );
     }
     let uid = status_field(pid, "Uid").unwrap();
     let first: u32 = uid.split(' ').next().unwrap().parse().unwrap();

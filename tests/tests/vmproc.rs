@@ -37,8 +37,7 @@ fn vm_processes(state_dir: &Path) -> Vec<i32> {
             let cmd = std::fs::read(e.path().join("cmdline")).ok()?;
             let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
             let sock = cmd.split(" --socket ").nth(1)?;
-            (cmd.contains(" vmm ") && sock.starts_with(vms.trim_end()) && !gone(pid))
-                .then_some(pid)
+            (cmd.contains(" vmm ") && sock.starts_with(vms.trim_end()) && !gone(pid)).then_some(pid)
         })
         .collect()
 }
@@ -157,14 +156,20 @@ fn kill9_of_a_vm_process_fails_that_vm_only() {
         let outer: i32 = status_field(inner, "PPid").unwrap().parse().unwrap();
         assert_ne!(outer, inner);
         let procs = vm_processes(&d.state_dir);
-        assert!(procs.contains(&outer) && procs.contains(&inner), "{procs:?}");
+        assert!(
+            procs.contains(&outer) && procs.contains(&inner),
+            "{procs:?}"
+        );
         kill9(outer);
         let v = wait_until(Duration::from_secs(10), || {
             let v = get(&d, "/v1/vms/boxed");
             (v["state"] == "failed").then_some(v)
         })
         .unwrap_or_else(|| panic!("boxed not failed: {}", get(&d, "/v1/vms/boxed")));
-        assert!(v["exit"]["message"].as_str().unwrap().contains("signal 9"), "{v}");
+        assert!(
+            v["exit"]["message"].as_str().unwrap().contains("signal 9"),
+            "{v}"
+        );
         assert!(
             wait_until(Duration::from_secs(5), || gone(inner).then_some(())).is_some(),
             "the VM process {inner} outlived its outer process {outer}"
@@ -312,7 +317,10 @@ fn consistent(d: &Daemon, dir: &Path, why: &str) -> std::collections::BTreeMap<S
                 .as_i64()
                 .unwrap_or_else(|| panic!("{why}: running without a pid: {v}"))
                 as i32;
-            assert!(!gone(pid), "{why}: {name} reported running, its process {pid} is gone");
+            assert!(
+                !gone(pid),
+                "{why}: {name} reported running, its process {pid} is gone"
+            );
             owned.push(pid);
             if let Some(pp) = status_field(pid, "PPid").and_then(|p| p.parse().ok()) {
                 owned.push(pp);
@@ -366,7 +374,8 @@ fn kill9_of_the_daemon_during_a_create_or_a_delete_leaves_no_orphan_and_no_ghost
             let answered = t.join().unwrap_or(0);
             drop(d);
             d = Daemon::start(&["--state-dir", sd]);
-            let why = format!("kill -9 {delay_ms} ms into the {op} of {name} (answered {answered})");
+            let why =
+                format!("kill -9 {delay_ms} ms into the {op} of {name} (answered {answered})");
             let states = consistent(&d, &dir, &why);
             assert_eq!(
                 states.get("keep").map(String::as_str),
@@ -377,7 +386,10 @@ fn kill9_of_the_daemon_during_a_create_or_a_delete_leaves_no_orphan_and_no_ghost
             match op {
                 // Created and adopted, or not there at all.
                 "create" => {
-                    assert!(matches!(st, None | Some("running")), "{why}: {name} is {st:?}");
+                    assert!(
+                        matches!(st, None | Some("running")),
+                        "{why}: {name} is {st:?}"
+                    );
                     if answered == 201 {
                         assert_eq!(st, Some("running"), "{why}: answered, then lost");
                     }
@@ -389,7 +401,10 @@ fn kill9_of_the_daemon_during_a_create_or_a_delete_leaves_no_orphan_and_no_ghost
                 }
                 // Deleted (its process gone), or still there and running.
                 _ => {
-                    assert!(matches!(st, None | Some("running")), "{why}: {name} is {st:?}");
+                    assert!(
+                        matches!(st, None | Some("running")),
+                        "{why}: {name} is {st:?}"
+                    );
                     if answered / 100 == 2 {
                         assert_eq!(st, None, "{why}: answered, yet still there");
                     }

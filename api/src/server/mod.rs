@@ -254,6 +254,15 @@ pub fn serve(args: ServeArgs, builtin: Arc<[u8]>) -> Result<(), ServeError> {
              would cross the network in clear text): pass --allow-remote to listen there anyway"
         )));
     }
+    // Start-up phases, logged once the state is reloaded (re-adoption
+    // profiling: what a restart with many VM processes spends where).
+    let t0 = std::time::Instant::now();
+    let mut phases: Vec<(&str, Duration)> = Vec::new();
+    let mut phase = |name, since: &mut std::time::Instant| {
+        phases.push((name, since.elapsed()));
+        *since = std::time::Instant::now();
+    };
+    let mut since = t0;
     // The lock first: a second daemon on this state directory stops here,
     // before it touches any socket.
     let _lock = lifecycle::lock_state_dir(&args.api.state_dir)?;
@@ -268,6 +277,7 @@ pub fn serve(args: ServeArgs, builtin: Arc<[u8]>) -> Result<(), ServeError> {
         corral_vmm::hostfile::HostPolicy::beneath(&args.image_dir, args.allow_block_devices)
             .map_err(io("--image-dir"))?;
     let state = load_state(&args.api.state_dir, args.state_from_backup)?;
+    phase("state file", &mut since);
     let cfg = corral_vmm::manager::ManagerConfig {
         capacity: args.capacity.map(corral_scheduler::Capacity::from_percent),
         max_vms: args.max_vms,
@@ -305,6 +315,7 @@ pub fn serve(args: ServeArgs, builtin: Arc<[u8]>) -> Result<(), ServeError> {
         vm_processes,
         ..cfg
     };
+    phase("launcher and jail probes", &mut since);
     // The runtime filter on the main thread before any other thread exists:
     // the scheduler thread, tokio's workers and blocking pool inherit it
     // (the scheduler and the VMs' threads narrow it with their own).
@@ -315,7 +326,9 @@ pub fn serve(args: ServeArgs, builtin: Arc<[u8]>) -> Result<(), ServeError> {
             .and_then(|()| seccomp::install(seccomp::ThreadKind::Runtime))
             .map_err(|e| ServeError::Config(e.to_string()))?;
     }
+    phase("seccomp", &mut since);
     let mgr = Arc::new(Manager::new(cfg)?);
+    phase("manager", &mut since);
     if let Some(state) = &state {
         let r = mgr.restore(state, args.restart_vms).map_err(|e| {
             ServeError::Config(format!(
@@ -325,6 +338,7 @@ pub fn serve(args: ServeArgs, builtin: Arc<[u8]>) -> Result<(), ServeError> {
                 BACKUP_HINT
             ))
         })?;
+        phase("restore", &mut since);
         tracing::info!(
             classes = r.classes,
             vms = r.vms,
@@ -334,6 +348,15 @@ pub fn serve(args: ServeArgs, builtin: Arc<[u8]>) -> Result<(), ServeError> {
              stopped unless --restart-vms started them"
         );
     }
+    let phases: Vec<String> = phases
+        .iter()
+        .map(|(n, d)| format!("{n} {:.1} ms", d.as_secs_f64() * 1e3))
+        .collect();
+    tracing::info!(
+        total_ms = t0.elapsed().as_secs_f64() * 1e3,
+        "start-up: {}",
+        phases.join(", ")
+    );
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .max_blocking_threads(128)

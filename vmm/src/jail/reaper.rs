@@ -29,14 +29,23 @@ use seccompiler::{
 /// The syscalls the outer process makes once confined (see the module
 /// docs), each with the reason.
 pub const ALLOWED: [(i64, &str); 11] = [
-    (libc::SYS_rt_sigtimedwait, "sigwait for the forwarded signals and SIGCHLD"),
+    (
+        libc::SYS_rt_sigtimedwait,
+        "sigwait for the forwarded signals and SIGCHLD",
+    ),
     (libc::SYS_wait4, "waitpid of the jailed child"),
     (libc::SYS_kill, "forwarding a signal to the child"),
     (libc::SYS_tgkill, "raise: ending by the child's signal"),
     (libc::SYS_getpid, "raise"),
     (libc::SYS_gettid, "raise"),
-    (libc::SYS_rt_sigprocmask, "unblocking the child's signal before raising it"),
-    (libc::SYS_rt_sigaction, "the default action of the child's signal"),
+    (
+        libc::SYS_rt_sigprocmask,
+        "unblocking the child's signal before raising it",
+    ),
+    (
+        libc::SYS_rt_sigaction,
+        "the default action of the child's signal",
+    ),
     (libc::SYS_restart_syscall, "an interrupted wait"),
     (libc::SYS_exit, "ending"),
     (libc::SYS_exit_group, "ending with the child's code"),

@@ -245,7 +245,11 @@ mod tests {
         let none = BTreeSet::new();
         let x = a.take_excluding(&none).unwrap();
         let y = b.take_excluding(&none).unwrap();
-        assert_eq!((x.uid(), y.uid()), (7000, 7001), "the second daemon took a leased uid");
+        assert_eq!(
+            (x.uid(), y.uid()),
+            (7000, 7001),
+            "the second daemon took a leased uid"
+        );
         drop(x);
         assert_eq!(b.take_excluding(&none).unwrap().uid(), 7000, "given back");
         let _ = std::fs::remove_file(&f);

@@ -221,12 +221,10 @@ impl Manager {
             sched_gate: self.cfg.cpu_backend == CpuBackend::Gate,
             seccomp: p.seccomp,
             control_socket: self.control_socket(&cfg.name),
-            jail: lease
-                .as_ref()
-                .map(|l| crate::vmproc::proto::JailParams {
-                    uid: l.uid(),
-                    pid_namespace: p.pid_namespace,
-                }),
+            jail: lease.as_ref().map(|l| crate::vmproc::proto::JailParams {
+                uid: l.uid(),
+                pid_namespace: p.pid_namespace,
+            }),
         };
         let mut borrowed: Vec<_> = fds.iter().map(|f| f.file().as_fd()).collect();
         borrowed.extend(page.as_deref().map(|f| f.as_fd()));

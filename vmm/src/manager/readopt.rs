@@ -35,7 +35,13 @@ impl Manager {
         // The handshakes (connect, status, files, adopt: four round trips
         // with a VM process, each a wake-up of its threads) in parallel;
         // the booking below is serial and cheap.
-        let results = parallel_map(&todo, ADOPT_WORKERS, |(v, rec, _)| {
+        // CORRAL_ADOPT_WORKERS: for measuring (1 = one after the other).
+        let workers = std::env::var("CORRAL_ADOPT_WORKERS")
+            .ok()
+            .and_then(|w| w.parse().ok())
+            .filter(|&w| w > 0)
+            .unwrap_or(ADOPT_WORKERS);
+        let results = parallel_map(&todo, workers, |(v, rec, _)| {
             adopt(
                 dir,
                 &v.name,
@@ -47,7 +53,9 @@ impl Manager {
         });
         let handshakes = t0.elapsed();
         for ((v, _, old), adopted_as) in todo.into_iter().zip(results) {
-            let Some(adopted_as) = adopted_as else { continue };
+            let Some(adopted_as) = adopted_as else {
+                continue;
+            };
             let run = match adopted_as {
                 Adopted::Running(vm, files) => {
                     let spec = VmSpec {
@@ -102,6 +110,7 @@ impl Manager {
         tracing::info!(
             adopted = adopted.len(),
             strays,
+            workers,
             handshakes_ms = handshakes.as_secs_f64() * 1e3,
             ms = t0.elapsed().as_secs_f64() * 1e3,
             "VM processes of the last daemon re-adopted"

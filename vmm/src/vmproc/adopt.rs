@@ -5,6 +5,7 @@
 //! same image locks) and having its output sent from the start of what it
 //! kept.
 
+use std::collections::BTreeMap;
 use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -27,21 +28,34 @@ pub const MAX_SOCKET_PATH: usize = 107;
 
 pub use super::wire::connect;
 
-/// One request and its answer (and files), before the reader thread runs.
-fn ask(sock: &OwnedFd, id: u64, req: Request) -> Result<(Response, Vec<OwnedFd>), VmError> {
-    wire::send(sock, &ToVm { id, req }, &[]).map_err(wire_err)?;
-    loop {
+/// Requests sent at once (pipelined: one round trip, which on a loaded
+/// host is one wake-up of each side rather than one per request) and their
+/// answers with their files, by id; before the reader thread runs.
+fn ask_all(
+    sock: &OwnedFd,
+    reqs: Vec<(u64, Request)>,
+) -> Result<BTreeMap<u64, (Response, Vec<OwnedFd>)>, VmError> {
+    let n = reqs.len();
+    let ids: Vec<u64> = reqs.iter().map(|(id, _)| *id).collect();
+    for (id, req) in reqs {
+        wire::send(sock, &ToVm { id, req }, &[]).map_err(wire_err)?;
+    }
+    let mut out = BTreeMap::new();
+    while out.len() < n {
         // As long as any request (a loaded host, and up to eight adoptions
         // at once).
         if !readable(sock.as_fd(), Duration::from_secs(8)) {
             return Err(wire_err("no answer"));
         }
         match wire::recv::<FromVm>(sock).map_err(wire_err)? {
-            Some((FromVm::Reply { id: got, resp }, fds)) if got == id => return Ok((resp, fds)),
+            Some((FromVm::Reply { id, resp }, fds)) if ids.contains(&id) => {
+                out.insert(id, (resp, fds));
+            }
             Some(_) => {}
             None => return Err(wire_err("the VM process closed the connection")),
         }
     }
+    Ok(out)
 }
 
 /// How an adoption ended.
@@ -85,9 +99,15 @@ pub fn adopt(
             return gone(format!("not running when the daemon started ({e})"));
         }
     };
-    let status: Status = match ask(&sock, 1, Request::Status) {
-        Ok((Response::Status(s), _)) => s,
-        Ok(_) | Err(_) => return gone("its control socket does not answer".into()),
+    // Its status and its files in one round trip (the files are dropped
+    // if it is another run).
+    let mut answers = match ask_all(&sock, vec![(1, Request::Status), (2, Request::Files)]) {
+        Ok(a) => a,
+        Err(_) => return gone("its control socket does not answer".into()),
+    };
+    let status: Status = match answers.remove(&1) {
+        Some((Response::Status(s), _)) => s,
+        _ => return gone("its control socket does not answer".into()),
     };
     if status.name != name || status.nonce != nonce {
         tracing::warn!(
@@ -99,8 +119,8 @@ pub fn adopt(
         );
         return gone("another process holds its control socket".into());
     }
-    let files = match ask(&sock, 2, Request::Files) {
-        Ok((Response::Files(paths), fds)) if paths.len() == fds.len() => paths
+    let files: Vec<HostFile> = match answers.remove(&2) {
+        Some((Response::Files(paths), fds)) if paths.len() == fds.len() => paths
             .into_iter()
             .zip(fds)
             .filter_map(|(p, fd)| HostFile::from_passed(std::fs::File::from(fd), p).ok())
@@ -125,10 +145,11 @@ pub fn adopt(
         Ok(vm) => Arc::new(vm),
         Err(e) => return gone(format!("not adopted: {e}")),
     };
-    if let Err(e) = vm.call(Request::Adopt { console_from: 0 }) {
-        vm.forget();
-        return gone(format!("adoption failed: {e}"));
-    }
+    // Not waited for: it cannot be refused, and a process that ends
+    // before it takes it is seen ending by the reader thread (its exit, or
+    // the socket's end). Waiting was one more round trip per VM, through
+    // the reader thread.
+    vm.tell(Request::Adopt { console_from: 0 });
     Adopted::Running(vm, files)
 }
 

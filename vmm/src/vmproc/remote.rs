@@ -133,15 +133,7 @@ impl RemoteVm {
             }
             Err(e) => return Err(fail(wire_err(e))),
         };
-        Self::attach(
-            ours,
-            status,
-            pid,
-            keep,
-            launcher.clone(),
-            console_bytes,
-        )
-        .map_err(fail)
+        Self::attach(ours, status, pid, keep, launcher.clone(), console_bytes).map_err(fail)
     }
 
     /// The daemon's side of a running VM process on `sock`, started as

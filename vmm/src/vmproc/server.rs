@@ -147,9 +147,8 @@ pub fn run(sock: OwnedFd, builtin: Arc<[u8]>) -> Result<i32, VmProcessError> {
     // The control socket and the exit record are the process's only paths
     // on the host: made before the jail, used by fd after it.
     let listener = match &spec.control_socket {
-        Some(path) => match wire::listen(path).and_then(|l| {
+        Some(path) => match wire::listen(path).inspect(|_| {
             let _ = std::fs::remove_file(path.with_extension("exit"));
-            Ok(l)
         }) {
             Ok(l) => Some(l),
             Err(e) => {
@@ -371,7 +370,7 @@ impl VmProcess {
             pid: std::process::id(),
             paused: h.is_paused(),
             parked: self.sched_gate.as_ref().is_some_and(|g| g.is_parked()),
-            unsupervised: !self.supervised.load(Ordering::Relaxed),
+            unsupervised: !self.supervised.load(Ordering::Acquire),
             exit: h.exit_reason(),
             vcpu_tids: h.vcpu_tids().to_vec(),
             device_tid: h.device_tid(),
@@ -508,11 +507,13 @@ impl VmProcess {
                             continue;
                         }
                         Request::Adopt { console_from } => {
+                            // Supervised before any output goes to the new
+                            // daemon: one that has seen output sees this.
+                            self.supervised.store(true, Ordering::Release);
                             self.link
                                 .console_next
                                 .store(console_from, Ordering::Release);
                             *lock(&self.link.conn) = Some(sock.clone());
-                            self.supervised.store(true, Ordering::Relaxed);
                             tracing::info!(vm = self.handle.name(), "re-adopted by a daemon");
                             Response::Ok
                         }
@@ -605,12 +606,18 @@ impl VmProcess {
                     Err(e) if tries < 100 => {
                         tries += 1;
                         if tries == 1 {
-                            tracing::warn!(vm = self.handle.name(), "control thread: {e}; retrying");
+                            tracing::warn!(
+                                vm = self.handle.name(),
+                                "control thread: {e}; retrying"
+                            );
                         }
                         std::thread::sleep(Duration::from_millis(20));
                     }
                     Err(e) => {
-                        tracing::warn!(vm = self.handle.name(), "control thread: {e}; connection dropped");
+                        tracing::warn!(
+                            vm = self.handle.name(),
+                            "control thread: {e}; connection dropped"
+                        );
                         break;
                     }
                 }
