@@ -379,4 +379,6 @@ mod tests_control;
 #[cfg(test)]
 mod tests_hostile;
 #[cfg(test)]
+mod tests_punctual;
+#[cfg(test)]
 mod tests_uring;
