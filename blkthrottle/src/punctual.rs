@@ -20,7 +20,8 @@
 //!   say `boost`). A sleeping thread costs nothing at any priority; what it
 //!   does while boosted besides the wait (other devices' events on the same
 //!   thread) is held to a budget: the caller reports the CPU time the
-//!   thread used while boosted ([`Punctual::boost_spent`]), and if that
+//!   thread used while boosted, less its waits on the clock (at most the
+//!   margin per wait) ([`Punctual::boost_spent`]), and if that
 //!   exceeds a quarter of the wall time of the last second or so
 //!   ([`BOOST_CPU_SHARE`]), waits are not boosted for the next second
 //!   ([`BOOST_BACKOFF_NS`]). (The kernel's real-time throttling,
@@ -232,7 +233,8 @@ impl Punctual {
     }
 
     /// The thread was boosted for `wall` ns up to `now` and used `cpu` ns
-    /// of CPU meanwhile. If boosted threads used more than
+    /// of CPU meanwhile (besides its waits on the clock, which the margin
+    /// bounds: the caller leaves them out). If boosted threads used more than
     /// 1/[`BOOST_CPU_SHARE`] of their wall time lately, boosting is
     /// suspended for [`BOOST_BACKOFF_NS`].
     pub fn boost_spent(&mut self, now: Nanos, cpu: Nanos, wall: Nanos) {
@@ -249,6 +251,11 @@ impl Punctual {
             self.boost_cpu /= 2;
             self.boost_wall /= 2;
         }
+    }
+
+    /// Whether boosting is suspended at `now` (over its budget lately).
+    pub fn suspended(&self, now: Nanos) -> bool {
+        now < self.suspended_until
     }
 
     /// The request of the wait in progress was admitted at `now`: its

@@ -312,9 +312,7 @@ fn admit(
                 if boost {
                     timer.boost();
                 }
-                while monotonic_ns() < until {
-                    std::hint::spin_loop();
-                }
+                timer.spin_until(until);
             }
         }
         now = monotonic_ns();

@@ -132,6 +132,9 @@ pub struct ThrottleTimer {
     /// The thread that holds the boost (0: none), since when (monotonic
     /// ns) and its CPU time then.
     boosted: std::cell::Cell<(libc::pid_t, Nanos, Nanos)>,
+    /// Time spent waiting on the clock while boosted (not counted against
+    /// the boost's budget: the planner's margin bounds it).
+    spun: std::cell::Cell<Nanos>,
 }
 
 /// What the timer was last armed for.
@@ -200,6 +203,7 @@ impl ThrottleTimer {
             armed: std::cell::Cell::new((0, Armed::Nothing)),
             punctual: std::cell::RefCell::new(Punctual::new(boost_wanted())),
             boosted: std::cell::Cell::new((0, 0, 0)),
+            spun: std::cell::Cell::new(0),
         })
     }
 
@@ -263,11 +267,29 @@ impl ThrottleTimer {
             set_policy(libc::SCHED_OTHER, 0);
             self.boosted.set((0, 0, 0));
             let now = monotonic_ns();
-            self.punctual.borrow_mut().boost_spent(
-                now,
-                thread_cpu_ns().saturating_sub(cpu),
-                now.saturating_sub(since),
-            );
+            let used = thread_cpu_ns()
+                .saturating_sub(cpu)
+                .saturating_sub(self.spun.replace(0));
+            let mut p = self.punctual.borrow_mut();
+            let was = p.suspended(now);
+            p.boost_spent(now, used, now.saturating_sub(since));
+            if !was && p.suspended(now) {
+                // At most once a second (the suspension's length).
+                tracing::debug!("virtio-blk: throttle boost suspended: over its CPU budget");
+            }
+        }
+    }
+
+    /// Waits on the clock until `until` (the last stretch of a tight wait).
+    pub fn spin_until(&self, until: Nanos) {
+        let start = monotonic_ns();
+        let mut now = start;
+        while now < until {
+            std::hint::spin_loop();
+            now = monotonic_ns();
+        }
+        if self.boosted.get().0 != 0 {
+            self.spun.set(self.spun.get() + (now - start));
         }
     }
 
