@@ -29,6 +29,7 @@ mod control;
 mod event;
 mod execute;
 mod inflight;
+mod pollwin;
 mod queue;
 pub mod request;
 pub mod spec;
@@ -145,8 +146,9 @@ pub struct Block {
     /// What the device publishes for other threads.
     counters: Arc<DiskCounters>,
     active: Option<Active>,
-    /// How long to keep polling the available ring after serving it (ns).
-    poll_ns: u64,
+    /// How long to keep polling the available ring after serving it: an
+    /// adaptive window of at most [`POLL_NS`] or `CORRAL_BLK_POLL_US`.
+    poll: pollwin::PollWindow,
 }
 
 impl std::fmt::Debug for Block {
@@ -251,15 +253,15 @@ impl Block {
             timer: ThrottleTimer::new().map_err(BlockError::Fd)?,
             throttle: None,
             active: None,
-            poll_ns: queue::poll_ns(),
+            poll: pollwin::PollWindow::new(queue::poll_ns()),
         })
     }
 
-    /// Sets how long the device keeps polling the available ring after it
-    /// served it, in ns (0: not at all; default [`POLL_NS`] or
-    /// `CORRAL_BLK_POLL_US`).
+    /// Sets the longest the device keeps polling the available ring after
+    /// it served it, in ns (0: not at all; default [`POLL_NS`] or
+    /// `CORRAL_BLK_POLL_US`); the window adapts below it (`pollwin.rs`).
     pub fn set_poll_ns(&mut self, ns: u64) {
-        self.poll_ns = ns;
+        self.poll = pollwin::PollWindow::new(ns);
     }
 
     /// Replaces the device's guest-error log (named after its VM and disk

@@ -179,14 +179,18 @@ impl Block {
     /// ends without work, notifications are re-enabled and the ring checked
     /// once more (a request published just before that check would
     /// otherwise wait for a notify that never comes).
+    ///
+    /// The window adapts ([`super::pollwin`]): polls that run out shorten
+    /// it, a notification soon after the device gave up lengthens it.
     pub fn process_queue_polling(&mut self) {
-        let poll = self.poll_ns;
-        if poll == 0 {
-            self.process_queue();
-            return;
-        }
+        self.poll.woken(monotonic_ns());
         loop {
             self.process_queue();
+            let poll = self.poll.window();
+            if poll == 0 {
+                self.poll.gave_up(monotonic_ns(), false);
+                return;
+            }
             let Some(act) = self.active.as_mut() else {
                 return;
             };
@@ -225,6 +229,7 @@ impl Block {
             if more {
                 continue;
             }
+            self.poll.gave_up(monotonic_ns(), true);
             match notifications_on(act, &self.engine) {
                 Some(true) => continue,
                 Some(false) | None => return,
