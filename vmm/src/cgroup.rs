@@ -13,9 +13,28 @@
 //! CPU *minimum*: reservations are enforced only by the gate backend (the
 //! cgroup backend still honours them in admission control).
 //!
-//! cgroup v2 needs thread-granular placement (`cgroup.type = threaded`) to put
-//! the threads of one process into several groups; v1 places thread ids
-//! directly in `tasks`.
+//! Two placements ([`Placement`]), one per daemon:
+//!
+//! - [`Placement::Processes`] (`--vm-mode process`, the default): each VM is
+//!   a process of its own, and the whole process goes into its VM's group
+//!   (`cgroup.procs`): vCPU threads, the device thread (which does the VM's
+//!   I/O work: the gate backend charges it to the VM too) and the small
+//!   control, console and accept threads. Placement is race-free: the daemon
+//!   writes the new process's pid into `cgroup.procs` after the launcher has
+//!   spawned it and before it sends the VM's configuration (`Hello`), which
+//!   the process waits for before it jails itself or starts any thread; every
+//!   thread it starts later (and the child of its pid-namespace fork) is born
+//!   in the group. Groups are ordinary domain groups in v2 (VM groups are the
+//!   leaves: no process in a group with children, the v2 rule).
+//! - [`Placement::Threads`] (`--vm-mode thread`): the VM's threads live in the
+//!   daemon, so its vCPU and device threads are placed by tid. cgroup v2
+//!   needs thread-granular placement (`cgroup.type = threaded`) for that; v1
+//!   places thread ids directly in `tasks`.
+//!
+//! Instance names: a daemon with a state directory uses one derived from the
+//! directory ([`instance_name`]), so a restarted daemon finds the groups its
+//! VM processes are in, and two daemons on different state directories never
+//! share a group.
 
 use std::fs;
 use std::io;
@@ -78,16 +97,54 @@ fn check_name(n: &str) -> Result<&str, CgroupError> {
 /// Period used for caps.
 pub const PERIOD_US: u64 = 100_000;
 
+/// What a VM's group holds (see the [module docs](self)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Placement {
+    /// The VM's threads in the daemon's process, placed by tid.
+    Threads,
+    /// The VM's whole process, placed by pid.
+    Processes,
+}
+
+/// The instance name of a daemon's groups (`corral-<instance>`): with a
+/// state directory, `state-` and 16 hex digits of a hash (FNV-1a, fixed
+/// here so that another build finds the same groups) of its absolute,
+/// canonical path, so the VM processes that outlive a daemon are found by
+/// the next one on that directory; without one, the daemon's pid (its VMs
+/// end with it).
+pub fn instance_name(state_dir: Option<&Path>) -> String {
+    let Some(dir) = state_dir else {
+        return std::process::id().to_string();
+    };
+    let dir = fs::canonicalize(dir)
+        .or_else(|_| std::path::absolute(dir))
+        .unwrap_or_else(|_| dir.to_path_buf());
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in std::os::unix::ffi::OsStrExt::as_bytes(dir.as_os_str()) {
+        h ^= u64::from(*b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    format!("state-{h:016x}")
+}
+
 /// A corral-owned subtree of the cpu controller.
 #[derive(Debug)]
 pub struct CgroupBackend {
     root: PathBuf,
     version: CgroupVersion,
+    placement: Placement,
 }
 
 impl CgroupBackend {
-    /// Finds the cpu controller and creates `corral-<instance>` under it.
+    /// Finds the cpu controller and creates `corral-<instance>` under it,
+    /// for VMs placed by thread ([`Placement::Threads`]).
     pub fn new(instance: &str) -> Result<Self, CgroupError> {
+        Self::open(instance, Placement::Threads)
+    }
+
+    /// Finds the cpu controller and creates (or finds, after a restart)
+    /// `corral-<instance>` under it.
+    pub fn open(instance: &str, placement: Placement) -> Result<Self, CgroupError> {
         let instance = check_name(instance)?;
         let (base, version) = detect().ok_or(CgroupError::NotFound)?;
         let root = base.join(format!("corral-{instance}"));
@@ -99,7 +156,16 @@ impl CgroupBackend {
             let _ = write(&base.join("cgroup.subtree_control"), "+cpu");
             let _ = write(&root.join("cgroup.subtree_control"), "+cpu");
         }
-        Ok(Self { root, version })
+        Ok(Self {
+            root,
+            version,
+            placement,
+        })
+    }
+
+    /// How VMs are placed.
+    pub fn placement(&self) -> Placement {
+        self.placement
     }
 
     /// The interface in use.
@@ -112,21 +178,38 @@ impl CgroupBackend {
         &self.root
     }
 
-    fn ensure_dir(&self, dir: &Path) -> Result<(), CgroupError> {
+    /// Creates group `dir` if it is missing; `leaf`: a VM's group, which
+    /// holds tasks and no groups.
+    fn ensure_dir(&self, dir: &Path, leaf: bool) -> Result<(), CgroupError> {
         if !dir.exists() {
             fs::create_dir(dir).map_err(io_at(dir))?;
             if self.version == CgroupVersion::V2 {
-                write(&dir.join("cgroup.type"), "threaded")?;
-                // Child classes and VM groups below need the controller.
-                let _ = write(&dir.join("cgroup.subtree_control"), "+cpu");
+                match self.placement {
+                    Placement::Threads => {
+                        write(&dir.join("cgroup.type"), "threaded")?;
+                        // Child classes and VM groups below need the controller.
+                        let _ = write(&dir.join("cgroup.subtree_control"), "+cpu");
+                    }
+                    // A domain group with a controller enabled below it
+                    // cannot hold processes: only class groups get it.
+                    Placement::Processes if !leaf => {
+                        let _ = write(&dir.join("cgroup.subtree_control"), "+cpu");
+                    }
+                    Placement::Processes => {}
+                }
             }
         }
         Ok(())
     }
 
+    /// The group of VM `vm` in class `class` (a path from the root class).
+    pub fn vm_dir(&self, class: &str, vm: &str) -> Result<PathBuf, CgroupError> {
+        Ok(self.class_dir(class)?.join(check_name(vm)?))
+    }
+
     /// The group of a class given by its path from the root class,
     /// `/`-separated (`tenant-a/a-web`; a root class is just its name).
-    fn class_dir(&self, class_path: &str) -> Result<PathBuf, CgroupError> {
+    pub fn class_dir(&self, class_path: &str) -> Result<PathBuf, CgroupError> {
         let mut dir = self.root.clone();
         for part in class_path.split('/') {
             dir.push(check_name(part)?);
@@ -168,7 +251,7 @@ impl CgroupBackend {
         cap_pct: Option<u32>,
     ) -> Result<(), CgroupError> {
         let dir = self.class_dir(class)?;
-        self.ensure_dir(&dir)?;
+        self.ensure_dir(&dir, false)?;
         self.set_weight(&dir, shares)?;
         self.set_cap(&dir, cap_pct)
     }
@@ -181,8 +264,8 @@ impl CgroupBackend {
         weight: u32,
         tids: &[libc::pid_t],
     ) -> Result<(), CgroupError> {
-        let dir = self.class_dir(class)?.join(check_name(vm)?);
-        self.ensure_dir(&dir)?;
+        let dir = self.vm_dir(class, vm)?;
+        self.ensure_dir(&dir, true)?;
         self.set_weight(&dir, weight)?;
         let file = match self.version {
             CgroupVersion::V2 => dir.join("cgroup.threads"),
@@ -194,6 +277,63 @@ impl CgroupBackend {
         Ok(())
     }
 
+    /// Makes VM `vm`'s group under `class` (or finds it) with `weight` and
+    /// the VM's own `cap`, before anything runs in it.
+    pub fn prepare_vm(
+        &self,
+        class: &str,
+        vm: &str,
+        weight: u32,
+        cap_pct: Option<u32>,
+    ) -> Result<PathBuf, CgroupError> {
+        let dir = self.vm_dir(class, vm)?;
+        self.ensure_dir(&dir, true)?;
+        self.set_weight(&dir, weight)?;
+        self.set_cap(&dir, cap_pct)?;
+        Ok(dir)
+    }
+
+    /// Moves whole processes into VM `vm`'s group under `class` (made by
+    /// [`Self::prepare_vm`]): each id is written to `cgroup.procs`, which
+    /// moves the thread group that the id (a pid, or any thread's tid)
+    /// belongs to, all its threads at once. Ids are the host's (this
+    /// process's pid namespace).
+    pub fn add_processes(
+        &self,
+        class: &str,
+        vm: &str,
+        ids: &[libc::pid_t],
+    ) -> Result<(), CgroupError> {
+        let file = self.vm_dir(class, vm)?.join("cgroup.procs");
+        for id in ids {
+            write(&file, &id.to_string())?;
+        }
+        Ok(())
+    }
+
+    /// Removes the groups below the root that `keep` does not name (class
+    /// and VM groups of a daemon before a restart whose classes or VMs are
+    /// gone), deepest first; a group that still holds a task or a kept
+    /// group stays. Returns how many were removed.
+    pub fn prune(&self, keep: &std::collections::BTreeSet<PathBuf>) -> usize {
+        fn walk(dir: &Path, keep: &std::collections::BTreeSet<PathBuf>, n: &mut usize) {
+            if let Ok(entries) = fs::read_dir(dir) {
+                for e in entries.flatten() {
+                    if e.file_type().is_ok_and(|t| t.is_dir()) {
+                        let p = e.path();
+                        walk(&p, keep, n);
+                        if !keep.contains(&p) && fs::remove_dir(&p).is_ok() {
+                            *n += 1;
+                        }
+                    }
+                }
+            }
+        }
+        let mut n = 0;
+        walk(&self.root, keep, &mut n);
+        n
+    }
+
     /// Sets or removes a VM's own cap on its group (`cpu.max` /
     /// `cpu.cfs_quota_us` over 100 ms), below its class's.
     pub fn set_vm_cap(
@@ -202,14 +342,29 @@ impl CgroupBackend {
         vm: &str,
         cap_pct: Option<u32>,
     ) -> Result<(), CgroupError> {
-        let dir = self.class_dir(class)?.join(check_name(vm)?);
+        let dir = self.vm_dir(class, vm)?;
         self.set_cap(&dir, cap_pct)
     }
 
-    /// Removes a VM's group (its threads must have exited or moved).
+    /// Removes a VM's group (its threads must have exited or moved). A VM
+    /// process leaves its group a moment after the daemon sees it end (its
+    /// socket closes before its tasks leave the cgroup, and a jailed one's
+    /// outer process exits after its child), so a busy group is retried for
+    /// up to 200 ms.
     pub fn remove_vm(&self, class: &str, vm: &str) -> Result<(), CgroupError> {
-        let dir = self.class_dir(class)?.join(check_name(vm)?);
-        remove_dir_if_exists(&dir)
+        let dir = self.vm_dir(class, vm)?;
+        let mut tries = 0;
+        loop {
+            match remove_dir_if_exists(&dir) {
+                Err(CgroupError::Io { err, .. })
+                    if err.raw_os_error() == Some(libc::EBUSY) && tries < 100 =>
+                {
+                    tries += 1;
+                    std::thread::sleep(std::time::Duration::from_millis(2));
+                }
+                r => return r,
+            }
+        }
     }
 
     /// Removes a class group (its VM groups must be gone).
@@ -220,24 +375,41 @@ impl CgroupBackend {
 
     /// Total CPU time consumed by a class group, in ns, if the controller reports it.
     pub fn class_usage_ns(&self, class: &str) -> Option<u64> {
-        let dir = self.class_dir(class).ok()?;
-        match self.version {
-            CgroupVersion::V2 => {
-                let s = fs::read_to_string(dir.join("cpu.stat")).ok()?;
-                let us: u64 = s
-                    .lines()
-                    .find_map(|l| l.strip_prefix("usage_usec "))?
-                    .trim()
-                    .parse()
-                    .ok()?;
-                Some(us * 1000)
-            }
-            CgroupVersion::V1 => {
-                // cpuacct may be a separate hierarchy; cpu.stat has no usage in v1.
-                None
-            }
+        group_usage_ns(&self.class_dir(class).ok()?)
+    }
+}
+
+/// CPU time used by the tasks of group `dir`, in ns: `usage_usec` of its
+/// `cpu.stat` in v2 (the whole subtree, since it was made); in v1, whose
+/// `cpu` controller counts no usage (`cpuacct` may be another hierarchy),
+/// the run time of the threads now in the group and the groups below it
+/// (`tasks`, then the first field of each `/proc/TID/schedstat`), which is
+/// a thread's whole life, wherever it ran: compare two readings of
+/// threads that stay in one group.
+pub fn group_usage_ns(dir: &Path) -> Option<u64> {
+    if let Ok(s) = fs::read_to_string(dir.join("cpu.stat"))
+        && let Some(us) = s.lines().find_map(|l| l.strip_prefix("usage_usec "))
+    {
+        return us.trim().parse::<u64>().ok().map(|us| us * 1000);
+    }
+    let tasks = fs::read_to_string(dir.join("tasks")).ok()?;
+    let mut ns = 0u64;
+    for tid in tasks.lines() {
+        let Ok(s) = fs::read_to_string(format!("/proc/{}/schedstat", tid.trim())) else {
+            continue;
+        };
+        ns += s
+            .split_whitespace()
+            .next()
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(0);
+    }
+    for e in fs::read_dir(dir).ok()?.flatten() {
+        if e.file_type().is_ok_and(|t| t.is_dir()) {
+            ns += group_usage_ns(&e.path()).unwrap_or(0);
         }
     }
+    Some(ns)
 }
 
 impl Drop for CgroupBackend {

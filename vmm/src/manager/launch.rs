@@ -93,8 +93,9 @@ impl Manager {
             .collect();
         let gate = Arc::new(Gate::new());
         let handle = match &self.cfg.vm_processes {
-            Some(p) if self.cfg.cpu_backend != CpuBackend::Cgroup => {
-                let vm = self.start_process(p, &cfg, files, &req.class)?;
+            Some(p) => {
+                // With the cgroup backend, in its group from the start.
+                let vm = self.start_process(p, &cfg, files, req)?;
                 if self.cfg.cpu_backend == CpuBackend::Gate {
                     vm.relay_gate(gate.clone());
                 }
@@ -114,22 +115,22 @@ impl Manager {
                 handle.vcpu_tids().to_vec(),
                 handle.device_tid().into_iter().collect(),
             ),
-            CpuBackend::Cgroup => {
-                if let Some(cg) = &self.cgroup
-                    && let Err(e) = cg
-                        .place_vm(
-                            &self.cg_path(&req.class),
-                            name,
-                            req.weight,
-                            &vm_threads(&handle),
-                        )
-                        .and_then(|()| cg.set_vm_cap(&self.cg_path(&req.class), name, req.cap))
-                {
+            // A VM process is in its group already (`start_process`); the
+            // threads of a VM in the daemon join it now.
+            CpuBackend::Cgroup if matches!(handle, VmRun::Local(_)) => {
+                if let Err(e) = self.cg_place(
+                    &self.cg_path(&req.class),
+                    name,
+                    req.weight,
+                    req.cap,
+                    &handle,
+                ) {
                     handle.stop();
                     handle.join();
-                    return Err(ManagerError::Invalid(format!("cgroup backend: {e}")));
+                    return Err(cgplace::cg_err(e));
                 }
             }
+            CpuBackend::Cgroup => {}
             CpuBackend::None => {}
         }
         tracing::info!(
@@ -145,13 +146,13 @@ impl Manager {
     /// (and locked) are passed as fds, the rest as the configuration
     /// message. The daemon keeps its own handles of the files (the image
     /// book releases their locks when the VM is released). The disks' group
-    /// is `class`'s, over the class's shared page when it has one.
+    /// is its class's, over the class's shared page when it has one.
     fn start_process(
         &self,
         p: &VmProcesses,
         cfg: &VmConfig,
         files: &crate::images::VmFiles,
-        class: &str,
+        req: &VmRequest,
     ) -> Result<Arc<RemoteVm>, ManagerError> {
         use crate::vmproc::proto::{DiskSpec, PassedFile, VmSpec};
         use std::os::fd::AsFd;
@@ -189,7 +190,7 @@ impl Manager {
         }
         // The class group's page goes after the files (for a VM with disks).
         let page = match disks.iter().any(|d| d.group.is_some()) {
-            true => lock(&self.state).class_pages.get(class).cloned(),
+            true => lock(&self.state).class_pages.get(&req.class).cloned(),
             false => None,
         };
         if page.is_some() {
@@ -230,9 +231,22 @@ impl Manager {
         borrowed.extend(page.as_deref().map(|f| f.as_fd()));
         // In a session of its own when it may outlive the daemon.
         let setsid = spec.control_socket.is_some();
-        let vm = RemoteVm::start(&p.launcher, spec, &borrowed, keep, setsid)?;
+        // The cgroup backend's group, made before the process exists; the
+        // process is moved in before it gets its configuration, so before
+        // it runs a thread of the VM (race-free: nothing to move later).
+        let group = self.cg_prepare(&req.class, &cfg.name, req.weight, req.cap)?;
+        let spawned = |pid| self.cg_add_process(group.as_deref(), &cfg.name, pid);
+        let vm = RemoteVm::start(&p.launcher, spec, &borrowed, keep, setsid, &spawned);
         drop(lease);
-        Ok(Arc::new(vm))
+        match vm {
+            Ok(vm) => Ok(Arc::new(vm)),
+            Err(e) => {
+                if let (Some(cg), Some(path)) = (&self.cgroup, &group) {
+                    let _ = cg.remove_vm(path, &cfg.name);
+                }
+                Err(e.into())
+            }
+        }
     }
 }
 

@@ -15,6 +15,7 @@
 //! lock while holding the scheduler's; it gets its inputs from
 //! [`Manager::sched_vms`] first.
 
+mod cgplace;
 mod classes;
 mod error;
 mod io;
@@ -214,14 +215,6 @@ impl std::fmt::Debug for Manager {
 
 pub use crate::cpusched::thread_cpu_ns;
 
-/// The threads whose CPU time is a VM's: its vCPUs and its device thread
-/// (which serves its I/O), for the cgroup backend.
-fn vm_threads(h: &VmRun) -> Vec<libc::pid_t> {
-    let mut t = h.vcpu_tids().to_vec();
-    t.extend(h.device_tid());
-    t
-}
-
 /// Checks a VM, disk or group name: the same rule as class names
 /// ([`corral_scheduler::model::name_problem`]).
 pub fn validate_name(what: &str, name: &str) -> Result<(), ManagerError> {
@@ -261,8 +254,16 @@ impl Manager {
             .unwrap_or(u64::MAX);
         let cgroup = match cfg.cpu_backend {
             CpuBackend::Cgroup => {
-                let cg = CgroupBackend::new(&std::process::id().to_string())
+                // Named after the state directory, so the next daemon on it
+                // finds the groups of the VM processes that outlive this one.
+                let placement = match cfg.vm_processes {
+                    Some(_) => crate::cgroup::Placement::Processes,
+                    None => crate::cgroup::Placement::Threads,
+                };
+                let instance = crate::cgroup::instance_name(cfg.state_dir.as_deref());
+                let cg = CgroupBackend::open(&instance, placement)
                     .map_err(|e| ManagerError::Invalid(format!("cgroup backend: {e}")))?;
+                tracing::info!(root = %cg.root().display(), ?placement, "cgroup backend");
                 for (name, c) in &cfg.initial_classes {
                     cg.set_class(name, c.cpu.shares, c.cpu.cap)
                         .map_err(|e| ManagerError::Invalid(format!("cgroup backend: {e}")))?;

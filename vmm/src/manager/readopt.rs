@@ -70,6 +70,7 @@ impl Manager {
                     }
                     self.images.book(&v.name, files.iter());
                     self.attach_class_io(&vm, &old.request.class, &old.request.disks);
+                    self.cg_readopt(&v.name, &old.request, &vm);
                     if self.cfg.cpu_backend == CpuBackend::Gate {
                         let gate = Arc::new(Gate::new());
                         vm.relay_gate(gate.clone());

@@ -495,6 +495,8 @@ impl Manager {
             .map(|v| v.name.clone())
             .collect();
         let adopted = self.readopt(file);
+        // The cgroup groups of VMs that ended while no daemon ran.
+        self.cg_prune();
         let mut started = 0;
         if restart {
             for name in p.wanted.clone() {

@@ -413,10 +413,7 @@ impl Manager {
                 let old = lock(&e.class).clone();
                 let w = e.weight.load(Ordering::Relaxed);
                 let cap = Some(e.cap.load(Ordering::Relaxed)).filter(|&c| c > 0);
-                if let Err(err) = cg
-                    .place_vm(&self.cg_path(class), &e.name, w, &vm_threads(&e.handle))
-                    .and_then(|()| cg.set_vm_cap(&self.cg_path(class), &e.name, cap))
-                {
+                if let Err(err) = self.cg_place(&self.cg_path(class), &e.name, w, cap, &e.handle) {
                     tracing::warn!(vm = name, "cgroup backend: {err}");
                 } else {
                     let _ = cg.remove_vm(&self.cg_path(&old), &e.name);

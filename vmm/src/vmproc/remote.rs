@@ -92,12 +92,16 @@ impl RemoteVm {
     /// Starts a VM process through `launcher` for `vm`, passing `files`
     /// (the indices of `vm`'s `PassedFile`s); returns once its VM runs.
     /// `keep` are the daemon's own handles of those files (their locks).
+    /// `spawned` runs with the new process's (host) pid before it gets its
+    /// configuration, so before it has started a thread or run a guest
+    /// instruction (the cgroup backend places it there); an error kills it.
     pub fn start(
         launcher: &Arc<Launcher>,
         vm: VmSpec,
         files: &[BorrowedFd<'_>],
         keep: Vec<HostFile>,
         setsid: bool,
+        spawned: &dyn Fn(u32) -> Result<(), VmError>,
     ) -> Result<RemoteVm, VmError> {
         let (ours, theirs) = wire::pair().map_err(wire_err)?;
         let name = vm.name.clone();
@@ -109,6 +113,7 @@ impl RemoteVm {
             launcher.kill(pid);
             e
         };
+        spawned(pid).map_err(fail)?;
         let hello = Hello {
             version: PROTOCOL_VERSION,
             vm,
