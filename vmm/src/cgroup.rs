@@ -412,10 +412,19 @@ pub fn group_usage_ns(dir: &Path) -> Option<u64> {
     Some(ns)
 }
 
+impl CgroupBackend {
+    /// Removes every group of this instance that holds no task (and the
+    /// root, if all are gone): at the daemon's exit. Groups of VM processes
+    /// that outlive the daemon stay, with their class groups above them.
+    pub fn remove_empty(&self) {
+        remove_groups(&self.root);
+    }
+}
+
 impl Drop for CgroupBackend {
     fn drop(&mut self) {
         // Best effort: groups still holding threads stay until those exit.
-        remove_groups(&self.root);
+        self.remove_empty();
     }
 }
 

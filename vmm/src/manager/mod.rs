@@ -384,6 +384,11 @@ impl Manager {
             }
         }
         self.cpu.shutdown();
+        // The daemon's process may end without dropping the manager (an
+        // API task still holds it): the empty groups go now.
+        if let Some(cg) = &self.cgroup {
+            cg.remove_empty();
+        }
         if !entries.is_empty() {
             tracing::info!(vms = entries.len(), "all VMs stopped");
         }
