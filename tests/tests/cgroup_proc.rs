@@ -84,7 +84,10 @@ fn assert_threads_in(state_dir: &Path, name: &str, group: &Path) -> usize {
     );
     let mut n = 0;
     for pid in pids {
-        for t in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap().flatten() {
+        for t in std::fs::read_dir(format!("/proc/{pid}/task"))
+            .unwrap()
+            .flatten()
+        {
             let tid = t.file_name().to_string_lossy().to_string();
             let Some(got) = cpu_group_of(pid, &tid) else {
                 continue; // the thread ended meanwhile
@@ -225,7 +228,11 @@ fn vm_processes_run_in_their_groups_with_shares_caps_and_moves() {
     let u = usage(&[&c1], Duration::from_secs(2));
     eprintln!("c1, capped at 20 %: {:.1} %", u[0] * 100.0);
     // A period of slack at the window's edges.
-    assert!(u[0] <= 0.27, "c1, capped at 20 %, used {:.1} %", u[0] * 100.0);
+    assert!(
+        u[0] <= 0.27,
+        "c1, capped at 20 %, used {:.1} %",
+        u[0] * 100.0
+    );
 
     // A live move takes every thread along; the old group goes.
     let r = d.req(
@@ -278,7 +285,10 @@ fn groups_survive_a_daemon_kill9_and_stale_ones_are_removed() {
         assert_ne!(theirs, v1);
         assert_threads_in(&other.state_dir, "v1", &theirs);
     }
-    assert!(v1.exists(), "another daemon's exit removed this one's group");
+    assert!(
+        v1.exists(),
+        "another daemon's exit removed this one's group"
+    );
 
     // kill -9 of the daemon; v2 ends while no daemon runs.
     d.child.kill().unwrap();
@@ -309,10 +319,17 @@ fn groups_survive_a_daemon_kill9_and_stale_ones_are_removed() {
     let q = std::fs::read_to_string(v1.join("cpu.max"))
         .or_else(|_| std::fs::read_to_string(v1.join("cpu.cfs_quota_us")))
         .unwrap();
-    assert!(q.trim().starts_with("15000"), "v1's quota after the restart: {q}");
+    assert!(
+        q.trim().starts_with("15000"),
+        "v1's quota after the restart: {q}"
+    );
     std::thread::sleep(Duration::from_millis(300));
     let u = usage(&[&v1], Duration::from_secs(2));
-    assert!(u[0] <= 0.23, "v1, capped at 15 %, used {:.1} %", u[0] * 100.0);
+    assert!(
+        u[0] <= 0.23,
+        "v1, capped at 15 %, used {:.1} %",
+        u[0] * 100.0
+    );
     // The daemon's exit (it stops its VMs) leaves no group behind.
     drop(d);
     kill_vm_processes(&dir);
