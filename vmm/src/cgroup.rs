@@ -552,6 +552,76 @@ mod tests {
         }
     }
 
+    #[test]
+    fn instance_names_follow_the_state_directory() {
+        let a = std::env::temp_dir().join(format!("corral-cg-inst-{}", std::process::id()));
+        fs::create_dir_all(a.join("x")).unwrap();
+        let n = instance_name(Some(&a));
+        assert!(n.starts_with("state-") && n.len() == 6 + 16, "{n}");
+        assert!(check_name(&n).is_ok());
+        // The same directory by another spelling: the same groups.
+        assert_eq!(instance_name(Some(&a.join("x/.."))), n);
+        assert_eq!(instance_name(Some(&a.join("."))), n);
+        assert_ne!(instance_name(Some(&a.join("x"))), n);
+        assert_eq!(instance_name(None), std::process::id().to_string());
+        fs::remove_dir_all(&a).unwrap();
+    }
+
+    #[test]
+    fn whole_processes_in_real_cgroups() {
+        if !(unsafe_is_root() && detect().is_some()) {
+            eprintln!("SKIPPED: needs root and a cgroup cpu controller");
+            return;
+        }
+        let b = CgroupBackend::open(
+            &format!("ptest{}", std::process::id()),
+            Placement::Processes,
+        )
+        .unwrap();
+        b.set_class("gold", 300, None).unwrap();
+        b.set_class("bronze", 100, None).unwrap();
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        let pid = child.id() as libc::pid_t;
+        let group_of = |pid: libc::pid_t| {
+            let s = fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap();
+            s.lines()
+                .find_map(|l| {
+                    let mut f = l.splitn(3, ':');
+                    let (_, ctl, path) = (f.next()?, f.next()?, f.next()?);
+                    let hit = match b.version() {
+                        CgroupVersion::V2 => ctl.is_empty(),
+                        CgroupVersion::V1 => ctl.split(',').any(|c| c == "cpu"),
+                    };
+                    hit.then(|| path.to_string())
+                })
+                .unwrap()
+        };
+        let dir = b.prepare_vm("gold", "vm1", 100, Some(40)).unwrap();
+        b.add_processes("gold", "vm1", &[pid]).unwrap();
+        assert!(group_of(pid).ends_with("/gold/vm1"), "{}", group_of(pid));
+        // A move: the process, then the old group removed.
+        b.prepare_vm("bronze", "vm1", 100, None).unwrap();
+        b.add_processes("bronze", "vm1", &[pid]).unwrap();
+        assert!(group_of(pid).ends_with("/bronze/vm1"));
+        b.remove_vm("gold", "vm1").unwrap();
+        assert!(!dir.exists());
+        // Prune keeps what is named and what holds a task.
+        b.prepare_vm("gold", "stale", 100, None).unwrap();
+        let keep: std::collections::BTreeSet<PathBuf> =
+            [b.class_dir("gold").unwrap()].into_iter().collect();
+        assert_eq!(b.prune(&keep), 1, "only gold/stale is empty and unnamed");
+        assert!(b.vm_dir("bronze", "vm1").unwrap().exists());
+        assert!(b.class_dir("gold").unwrap().exists());
+        assert!(!b.vm_dir("gold", "stale").unwrap().exists());
+        let _ = child.kill();
+        let _ = child.wait();
+        b.remove_vm("bronze", "vm1").unwrap();
+        drop(b);
+    }
+
     fn unsafe_is_root() -> bool {
         // SAFETY: geteuid has no preconditions.
         unsafe { libc::geteuid() == 0 }
