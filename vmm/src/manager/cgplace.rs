@@ -32,16 +32,22 @@ fn vm_threads(h: &VmRun) -> Vec<libc::pid_t> {
     t
 }
 
-/// Ids that reach every process of a VM process: its pid and its threads'
-/// (host) tids; `cgroup.procs` moves the whole thread group of each. Never
+/// Host ids that reach every process of a VM process
+/// ([`crate::vmproc::hostids::HostIds`]): the launcher's child (the jail's
+/// outer process, with a pid namespace), the process that runs the VM, and
+/// its threads; `cgroup.procs` moves the whole thread group of each. Never
 /// 0 or 1 (a pid that is not the host's must not move the host's init).
 fn process_ids(vm: &RemoteVm) -> Vec<libc::pid_t> {
-    let mut ids: Vec<libc::pid_t> = libc::pid_t::try_from(vm.pid()).into_iter().collect();
-    ids.extend(vm.vcpu_tids());
-    ids.extend(vm.device_tid());
-    ids.retain(|&i| i > 1);
-    ids.dedup();
-    ids
+    let ids = vm.host_ids();
+    let mut out: Vec<libc::pid_t> = [ids.outer, ids.pid]
+        .into_iter()
+        .filter_map(|p| libc::pid_t::try_from(p).ok())
+        .collect();
+    out.extend(&ids.vcpu_tids);
+    out.extend(ids.device_tid);
+    out.retain(|&i| i > 1);
+    out.dedup();
+    out
 }
 
 /// VM process `vm` (running) in VM `name`'s group under class path `path`.
