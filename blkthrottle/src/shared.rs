@@ -221,7 +221,7 @@ impl SharedLimiter {
             .shadow
             .ready_at_mask(mask & self.shadow.configured(), req, now);
         if !self.refresh() {
-            return own.max(now + RETRY_NS);
+            return own.max(now.saturating_add(RETRY_NS));
         }
         let (t, trel) = self.time(now);
         let (_, ready) = self.read(mask, req, t, trel);
@@ -259,7 +259,7 @@ impl SharedLimiter {
                 return Ok(());
             }
         }
-        Err(now + RETRY_NS)
+        Err(now.saturating_add(RETRY_NS))
     }
 
     /// Charges every bucket in `seen` if none changed since it was read;
@@ -333,7 +333,7 @@ impl SharedLimiter {
         let new = limits.buckets();
         let p = self.mem.page();
         let s = p.seq.load(SeqCst) & !1;
-        p.seq.store(s + 1, SeqCst);
+        p.seq.store(s.wrapping_add(1), SeqCst);
         p.write_limits(limits);
         let (_, trel) = self.time(now);
         for (i, b) in p.buckets.iter().enumerate() {
@@ -358,7 +358,7 @@ impl SharedLimiter {
             }
             let _ = b.one_time.fetch_min(n.one_time, SeqCst);
         }
-        p.seq.store(s + 2, SeqCst);
+        p.seq.store(s.wrapping_add(2), SeqCst);
         self.refresh();
     }
 

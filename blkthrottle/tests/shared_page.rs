@@ -186,7 +186,10 @@ proptest! {
             }
         }
         check_window_bound(&l, &log, 0);
-        // The owner still reads its counters.
+        // The owner still reads its counters and rewrites its limits.
+        let _ = gs[0].stats();
+        page.scribble(seeds[0] | 1);
+        gs[0].set_limits(&l, now).unwrap();
         let _ = gs[0].stats();
     }
 }
