@@ -252,6 +252,15 @@ fn vm_processes_run_in_their_groups_with_shares_caps_and_moves() {
         "b1's weight in its new group: {weight}"
     );
 
+    // A class's cap, live, on its group (above the VMs' groups).
+    let r = d.req("PATCH", "/v1/classes/gold", Some(r#"{"cap":50}"#));
+    assert_eq!(r.status, 200, "{}", r.text());
+    let gold_dir = moved.parent().unwrap();
+    let q = std::fs::read_to_string(gold_dir.join("cpu.max"))
+        .or_else(|_| std::fs::read_to_string(gold_dir.join("cpu.cfs_quota_us")))
+        .unwrap();
+    assert!(q.trim().starts_with("50000"), "gold's quota: {q}");
+
     // A deleted VM's group goes with it.
     let r = d.req("DELETE", "/v1/vms/c1", None);
     assert!(r.status / 100 == 2, "{}", r.text());
