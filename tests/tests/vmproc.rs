@@ -95,6 +95,21 @@ fn get(d: &Daemon, path: &str) -> Value {
 /// Asks a VM process for its status on its control socket, as a daemon.
 fn status_on_socket(path: &Path) -> corral_vmm::vmproc::proto::Status {
     let s = adopt::connect(path).expect("connect to the VM's control socket");
+    // An answer within 10 s, or the test fails here rather than hangs.
+    let tv = libc::timeval {
+        tv_sec: 10,
+        tv_usec: 0,
+    };
+    // SAFETY: setsockopt reads the timeval we pass, which outlives the call.
+    unsafe {
+        libc::setsockopt(
+            std::os::fd::AsRawFd::as_raw_fd(&s),
+            libc::SOL_SOCKET,
+            libc::SO_RCVTIMEO,
+            (&tv as *const libc::timeval).cast(),
+            std::mem::size_of::<libc::timeval>() as libc::socklen_t,
+        );
+    }
     wire::send(
         &s,
         &ToVm {

@@ -293,6 +293,7 @@ pub fn serve(args: ServeArgs, builtin: Arc<[u8]>) -> Result<(), ServeError> {
     let vm_processes = if args.vm_mode == "process" {
         let exe = std::env::current_exe().map_err(io("finding the corral binary"))?;
         let pid_namespace = !args.no_jail && check_jail_namespaces()?;
+        phase("jail probes", &mut since);
         Some(corral_vmm::manager::VmProcesses {
             launcher: corral_vmm::vmproc::launcher::Launcher::start(&exe)
                 .map_err(io("starting the VM process launcher"))?,
@@ -315,7 +316,7 @@ pub fn serve(args: ServeArgs, builtin: Arc<[u8]>) -> Result<(), ServeError> {
         vm_processes,
         ..cfg
     };
-    phase("launcher and jail probes", &mut since);
+    phase("launcher", &mut since);
     // The runtime filter on the main thread before any other thread exists:
     // the scheduler thread, tokio's workers and blocking pool inherit it
     // (the scheduler and the VMs' threads narrow it with their own).
@@ -493,7 +494,14 @@ async fn run(args: &ServeArgs, group: Option<u32>, mgr: Arc<Manager>) -> Result<
 fn check_jail_namespaces() -> Result<bool, ServeError> {
     use corral_vmm::jail::NsKind;
     for k in [NsKind::Mount, NsKind::Ipc, NsKind::Net, NsKind::Uts] {
-        if let Err(e) = corral_vmm::jail::probe(k) {
+        let t = std::time::Instant::now();
+        let r = corral_vmm::jail::probe(k);
+        tracing::debug!(
+            ms = t.elapsed().as_secs_f64() * 1e3,
+            "jail probe: {}",
+            k.as_str()
+        );
+        if let Err(e) = r {
             return Err(ServeError::Config(format!(
                 "the VM processes' jail needs a {} namespace, which this host refuses ({e}); \
                  --no-jail runs them unjailed",
