@@ -430,3 +430,44 @@ fn kill9_of_the_daemon_during_a_create_or_a_delete_leaves_no_orphan_and_no_ghost
     drop(d);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn a_vm_process_whose_daemon_died_before_it_started_does_not_run_on() {
+    let dir = std::env::temp_dir().join(format!("corral-vmproc-{}-late", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let sd = dir.to_str().unwrap();
+    // The VM process of "late" is slow to make its control socket: the
+    // daemon dies after it sent the configuration, before the socket
+    // exists, and the next daemon finds no socket to stop.
+    let mut d = Daemon::start_with_env(
+        &["--state-dir", sd],
+        &[("CORRAL_FAULT", "vmproc-slow-start:late")],
+    );
+    let mut conn = d.conn();
+    let t = std::thread::spawn(move || {
+        conn.req("POST", "/v1/vms", Some(&idle_vm("late", 300)))
+            .status
+    });
+    let pid = wait_until(Duration::from_secs(10), || vm_pid(&dir, "late"))
+        .expect("the VM process of late was started");
+    std::thread::sleep(Duration::from_millis(300));
+    d.child.kill().unwrap();
+    d.child.wait().unwrap();
+    assert_eq!(t.join().unwrap_or(0), 0, "answered before it could have");
+    drop(d);
+    let d = Daemon::start(&["--state-dir", sd]);
+    let r = d.req("GET", "/v1/vms/late", None);
+    assert_eq!(r.status, 404, "{}", r.text());
+    // Once it gets on, it finds its daemon gone before it could report:
+    // it stops instead of running on unknown (it used to run on).
+    let ended = wait_until(Duration::from_secs(20), || {
+        (gone(pid) && vm_pid(&dir, "late").is_none()).then_some(())
+    });
+    assert!(
+        ended.is_some(),
+        "an orphan VM process: {:?}",
+        vm_processes(&dir)
+    );
+    drop(d);
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -146,6 +146,11 @@ pub fn run(sock: OwnedFd, builtin: Arc<[u8]>) -> Result<i32, VmProcessError> {
     cfg.sched_gate = sched_gate.clone();
     // The control socket and the exit record are the process's only paths
     // on the host: made before the jail, used by fd after it.
+    // Test-only: a VM process slow to get here (its daemon may die first).
+    #[cfg(debug_assertions)]
+    if crate::seccomp::fault::injected("vmproc-slow-start", &spec.name) {
+        std::thread::sleep(Duration::from_secs(3));
+    }
     let listener = match &spec.control_socket {
         Some(path) => match wire::listen(path).inspect(|_| {
             let _ = std::fs::remove_file(path.with_extension("exit"));
