@@ -12,17 +12,11 @@
 //!
 //! Everything not listed traps (`SECCOMP_RET_TRAP`, see the module docs).
 
-use std::collections::BTreeMap;
-
-use seccompiler::{
-    BpfProgram, SeccompAction, SeccompCmpArgLen as Len, SeccompCmpOp as Op,
-    SeccompCondition as Cond, SeccompFilter, SeccompRule, TargetArch,
-};
+use seccompiler::BpfProgram;
 use vmm_sys_util::{ioctl_io_nr, ioctl_ior_nr, ioctl_iow_nr, ioctl_iowr_nr};
 
 use super::ThreadKind;
-
-type Rules = BTreeMap<i64, Vec<SeccompRule>>;
+pub use super::bpf::{ArgCheck, CompileError, Rule, Rules};
 
 // The KVM ioctls corral issues (kernel `include/uapi/linux/kvm.h`).
 const KVMIO: u32 = kvm_bindings::KVMIO;
@@ -66,25 +60,16 @@ ioctl_iow_nr!(KVM_SET_LAPIC, KVMIO, 0x8f, kvm_bindings::kvm_lapic_state);
 ioctl_iow_nr!(KVM_SET_CPUID2, KVMIO, 0x90, kvm_bindings::kvm_cpuid2);
 ioctl_io_nr!(KVM_GET_TSC_KHZ, KVMIO, 0xa3);
 
-/// `ioctl(fd, request, ...)` allowed for exactly these requests.
+/// `ioctl(fd, request, ...)` allowed for exactly these requests (the
+/// request's low 32 bits: the kernel takes it as an `unsigned int`).
 fn ioctls(r: &mut Rules, requests: &[u64]) {
     let e = r.entry(libc::SYS_ioctl).or_default();
     for &req in requests {
-        let new = rule(vec![cond(1, Len::Dword, Op::Eq, req)]);
+        let new = vec![ArgCheck::eq(1, req as u32)];
         if !e.contains(&new) {
             e.push(new);
         }
     }
-}
-
-fn cond(arg: u8, len: Len, op: Op, value: u64) -> Cond {
-    // The arguments are constants of this file: a failure is a bug here,
-    // caught by the unit test that builds every filter.
-    Cond::new(arg, len, op, value).expect("valid seccomp condition")
-}
-
-fn rule(conds: Vec<Cond>) -> SeccompRule {
-    SeccompRule::new(conds).expect("non-empty seccomp rule")
 }
 
 fn allow(r: &mut Rules, nrs: &[i64]) {
@@ -147,12 +132,7 @@ fn common(r: &mut Rules) {
     allow(r, &[libc::SYS_close]);
     r.insert(
         libc::SYS_fcntl,
-        vec![rule(vec![cond(
-            1,
-            Len::Dword,
-            Op::Eq,
-            libc::F_GETFD as u64,
-        )])],
+        vec![vec![ArgCheck::eq(1, libc::F_GETFD as u32)]],
     );
     // HashMap keys (std's RandomState, once per thread; seen on the device
     // thread).
@@ -163,11 +143,8 @@ fn common(r: &mut Rules) {
 /// parking a VM kicks its vCPUs (seen on vCPU threads for a guest reset and
 /// on the scheduler thread for parks).
 fn kicks(r: &mut Rules) {
-    let sig = crate::util::kick_signal() as u64;
-    r.insert(
-        libc::SYS_tgkill,
-        vec![rule(vec![cond(2, Len::Dword, Op::Eq, sig)])],
-    );
+    let sig = crate::util::kick_signal() as u32;
+    r.insert(libc::SYS_tgkill, vec![vec![ArgCheck::eq(2, sig)]]);
 }
 
 fn vcpu(r: &mut Rules) {
@@ -246,10 +223,10 @@ fn scheduler(r: &mut Rules) {
     kicks(r);
     // /proc/stat every 4 ticks (idle and steal time): open read-only only
     // (no O_WRONLY/O_RDWR, O_CREAT, O_TRUNC, O_APPEND), read, close.
-    let ro_mask = (libc::O_ACCMODE | libc::O_CREAT | libc::O_TRUNC | libc::O_APPEND) as u64;
+    let ro_mask = (libc::O_ACCMODE | libc::O_CREAT | libc::O_TRUNC | libc::O_APPEND) as u32;
     r.insert(
         libc::SYS_openat,
-        vec![rule(vec![cond(2, Len::Dword, Op::MaskedEq(ro_mask), 0)])],
+        vec![vec![ArgCheck::masked_eq(2, ro_mask, 0)]],
     );
     allow(r, &[libc::SYS_read]);
     // A VM process's vCPU run times: /proc/<pid>/task/<tid>/schedstat,
@@ -450,15 +427,10 @@ pub fn rules(kind: ThreadKind) -> Rules {
     r
 }
 
-/// Compiles the filter of `kind` (mismatch: trap; match: allow).
-pub fn compile(kind: ThreadKind) -> Result<BpfProgram, seccompiler::BackendError> {
-    SeccompFilter::new(
-        rules(kind),
-        SeccompAction::Trap,
-        SeccompAction::Allow,
-        TargetArch::x86_64,
-    )?
-    .try_into()
+/// Compiles the filter of `kind` (mismatch: trap; match: allow) with
+/// corral's search-tree compiler ([`super::bpf`]).
+pub fn compile(kind: ThreadKind) -> Result<BpfProgram, CompileError> {
+    super::bpf::compile(&rules(kind))
 }
 
 #[cfg(test)]
