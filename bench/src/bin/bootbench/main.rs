@@ -10,6 +10,16 @@
 //! min / median / max. With `BOOTBENCH_STEPS=1` the VM is started with
 //! `CORRAL_BOOT_TRACE=1` and the median offset of each start-up step from
 //! the spawn is printed too (the steps are in `corral_vmm::boottrace`).
+//!
+//! `bootbench side [ROUNDS] [VCPUS] [MEMORY_MIB]` (default 21 rounds)
+//! compares, interleaved (each round runs the three in turn, the order
+//! reversed every other round), `corral run` with a VM process as the
+//! daemon starts one (`corral vmm`, not jailed and jailed; see `vmm.rs`):
+//! time from the spawn to `PROBE-UP` and RSS then, each one's min / median
+//! / max, and the ratios to `corral run` (issue 15's guards: ≤ 1.5×, and
+//! ≤ 4 MiB RSS per VM process).
+
+mod vmm;
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read};
@@ -163,8 +173,87 @@ fn print_steps(runs: &[Steps]) {
     }
 }
 
+/// `bootbench side`: `corral run` against `corral vmm`, interleaved.
+fn side_by_side(rounds: usize, vcpus: &str, mem: &str) {
+    let v: u8 = vcpus.parse().expect("VCPUS is a number 1..=254");
+    let m: u64 = mem.parse().expect("MEMORY_MIB is a number");
+    const NAMES: [&str; 3] = ["corral run", "corral vmm", "corral vmm, jailed"];
+    let once = |which: usize, n: usize| match which {
+        0 => {
+            let (ms, rss, _) = one(vcpus, mem);
+            (ms, rss)
+        }
+        1 => vmm::one(v, m, false, n),
+        _ => vmm::one(v, m, true, n),
+    };
+    println!(
+        "boot side by side: {vcpus} vCPU, {mem} MiB, {rounds} rounds after 1 warm-up \
+         (order reversed every other round)"
+    );
+    for w in 0..3 {
+        once(w, 0);
+    }
+    let mut t: [Vec<f64>; 3] = Default::default();
+    let mut r: [Vec<u64>; 3] = Default::default();
+    for i in 0..rounds {
+        let order: [usize; 3] = if i % 2 == 0 { [0, 1, 2] } else { [2, 1, 0] };
+        let mut line = format!("round {:2}:", i + 1);
+        let mut got = [(0.0, 0); 3];
+        for w in order {
+            got[w] = once(w, i + 1);
+        }
+        for (w, (ms, rss)) in got.into_iter().enumerate() {
+            t[w].push(ms);
+            r[w].push(rss);
+            line += &format!("  {} {ms:6.2} ms {rss:5} KiB", ["run", "vmm", "jail"][w]);
+        }
+        println!("{line}");
+    }
+    let pair_ratios = |w: usize| {
+        let mut q: Vec<f64> = t[w].iter().zip(&t[0]).map(|(a, b)| a / b).collect();
+        q.sort_by(|a, b| a.total_cmp(b));
+        q[q.len() / 2]
+    };
+    let mut med_t = [0.0; 3];
+    for w in 0..3 {
+        let mut ts = t[w].clone();
+        ts.sort_by(|a, b| a.total_cmp(b));
+        let mut rs = r[w].clone();
+        rs.sort();
+        med_t[w] = ts[ts.len() / 2];
+        println!(
+            "{:20} time to PROBE-UP min {:.2} / median {:.2} / max {:.2} ms; \
+             RSS median {} KiB ({:.2} MiB), max {} KiB",
+            NAMES[w],
+            ts[0],
+            med_t[w],
+            ts[ts.len() - 1],
+            rs[rs.len() / 2],
+            rs[rs.len() / 2] as f64 / 1024.0,
+            rs[rs.len() - 1]
+        );
+    }
+    for w in 1..3 {
+        let ratio = med_t[w] / med_t[0];
+        println!(
+            "{} / corral run: {ratio:.2}x of the medians, {:.2}x median of the per-round \
+             ratios (guard <= 1.5x: {})",
+            NAMES[w],
+            pair_ratios(w),
+            if ratio <= 1.5 { "met" } else { "NOT met" }
+        );
+    }
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
+    if args.get(1).is_some_and(|a| a == "side") {
+        let rounds = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(21);
+        let vcpus = args.get(3).map(String::as_str).unwrap_or("1");
+        let mem = args.get(4).map(String::as_str).unwrap_or("128");
+        side_by_side(rounds, vcpus, mem);
+        return;
+    }
     let runs: usize = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(11);
     let vcpus = args.get(2).map(String::as_str).unwrap_or("1");
     let mem = args.get(3).map(String::as_str).unwrap_or("128");

@@ -1,0 +1,107 @@
+//! A VM process started as the daemon starts one: `corral vmm --fd 3` with
+//! the VM's end of a socketpair, its configuration sent as the daemon's
+//! `Hello` (the built-in probe, seccomp on, a scheduler gate, jailed or
+//! not), and `PROBE-UP` read from the console messages it sends back.
+//! The daemon's launcher forks and execs it the same way (`vmproc::launcher`).
+
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::process::CommandExt;
+use std::process::{Command, Stdio};
+use std::time::Instant;
+
+use corral_vmm::vmproc::proto::{FromVm, Hello, JailParams, PROTOCOL_VERSION, VmSpec};
+use corral_vmm::vmproc::wire;
+
+/// The fd the VM process expects its socket on.
+const CHILD_FD: i32 = corral_vmm::vmproc::launcher::CHILD_FD;
+
+/// A uid for the jailed runs: the top of the daemon's default pool
+/// (`jail::DEFAULT_UID_BASE`), which a daemon leases from the bottom.
+fn bench_uid() -> u32 {
+    corral_vmm::jail::DEFAULT_UID_BASE + corral_vmm::jail::DEFAULT_UID_COUNT - 1
+}
+
+/// One VM process to `PROBE-UP`: (ms from the spawn, RSS KiB then).
+pub fn one(vcpus: u8, memory_mib: u64, jailed: bool, n: usize) -> (f64, u64) {
+    let (ours, theirs) = wire::pair().expect("socketpair");
+    let raw = theirs.as_raw_fd();
+    let mut cmd = Command::new(corral_tests::corral_bin());
+    cmd.args(["vmm", "--fd", &CHILD_FD.to_string()])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null());
+    // SAFETY: between fork and exec only dup2 (async-signal-safe) of an fd
+    // this process owns onto CHILD_FD, which clears close-on-exec.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::dup2(raw, CHILD_FD) < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    assert_ne!(raw, CHILD_FD, "the socketpair landed on fd 3");
+    let spec = VmSpec {
+        name: format!("bootbench{n}"),
+        nonce: format!("{:016x}", n),
+        vcpus,
+        memory_mib,
+        cmdline: "probe.mode=spin probe.secs=2".into(),
+        console_log_bytes: 256 * 1024,
+        acpi: true,
+        kernel: None,
+        initrd: None,
+        disks: Vec::new(),
+        sched_gate: true,
+        seccomp: true,
+        control_socket: None,
+        jail: jailed.then(|| JailParams { uid: bench_uid() }),
+    };
+    let t0 = Instant::now();
+    let mut child = cmd.spawn().expect("spawn corral vmm");
+    drop(theirs);
+    wire::send(
+        &ours,
+        &Hello {
+            version: PROTOCOL_VERSION,
+            vm: spec,
+        },
+        &[],
+    )
+    .expect("send the configuration");
+    let up = wait_probe_up(&ours).unwrap_or_else(|e| {
+        let _ = child.kill();
+        panic!("corral vmm: {e}")
+    });
+    let ms = (up - t0).as_secs_f64() * 1e3;
+    let rss = super::rss_kib(child.id()).unwrap_or(0);
+    let _ = child.kill();
+    let _ = child.wait();
+    (ms, rss)
+}
+
+/// Reads the VM process's messages until its console shows `PROBE-UP`:
+/// the instant it arrived.
+fn wait_probe_up(sock: &OwnedFd) -> Result<Instant, String> {
+    let mut console = Vec::new();
+    for _ in 0..10_000 {
+        let msg: Option<(FromVm, Vec<OwnedFd>)> = wire::recv(sock).map_err(|e| e.to_string())?;
+        match msg {
+            None => return Err("closed its socket before PROBE-UP".into()),
+            Some((FromVm::StartFailed { message }, _)) => return Err(message),
+            Some((FromVm::Exited { reason, .. }, _)) => {
+                return Err(format!("exited before PROBE-UP: {reason:?}"));
+            }
+            Some((FromVm::Console { data, .. }, _)) => {
+                console.extend_from_slice(&data);
+                if console.windows(8).any(|w| w == b"PROBE-UP") {
+                    return Ok(Instant::now());
+                }
+                if console.len() > 1 << 20 {
+                    return Err("1 MiB of console output without PROBE-UP".into());
+                }
+            }
+            Some(_) => {}
+        }
+    }
+    Err("10000 messages without PROBE-UP".into())
+}
