@@ -74,6 +74,9 @@ pub fn one(vcpus: u8, memory_mib: u64, jailed: bool, n: usize) -> (f64, u64) {
     });
     let ms = (up - t0).as_secs_f64() * 1e3;
     let rss = super::rss_kib(child.id()).unwrap_or(0);
+    if std::env::var_os("BOOTBENCH_SMAPS").is_some() {
+        super::print_smaps(child.id());
+    }
     let _ = child.kill();
     let _ = child.wait();
     (ms, rss)
