@@ -52,6 +52,14 @@ fn rss_kib(pid: u32) -> Option<u64> {
 /// Prints the resident KiB of each mapping of `pid` (largest first): where
 /// the RSS at `PROBE-UP` comes from.
 fn print_smaps(pid: u32) {
+    // Field 10 of /proc/PID/stat (after the parenthesised name): minor
+    // faults so far, i.e. the pages the process start and the VM touched.
+    if let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        && let Some((_, rest)) = stat.rsplit_once(')')
+        && let Some(minflt) = rest.split_whitespace().nth(7)
+    {
+        eprintln!("  minor page faults so far: {minflt}");
+    }
     let Ok(text) = std::fs::read_to_string(format!("/proc/{pid}/smaps")) else {
         return;
     };
