@@ -205,12 +205,7 @@ fn device(r: &mut Rules) {
     kicks(r);
     // Tight throttle waits boost the thread itself (pid 0) to SCHED_FIFO
     // and back to SCHED_OTHER (devices/src/virtio/blk/throttle.rs).
-    let me = |policy: libc::c_int| {
-        rule(vec![
-            cond(0, Len::Dword, Op::Eq, 0),
-            cond(1, Len::Dword, Op::Eq, policy as u64),
-        ])
-    };
+    let me = |policy: libc::c_int| vec![ArgCheck::eq(0, 0), ArgCheck::eq(1, policy as u32)];
     r.insert(
         libc::SYS_sched_setscheduler,
         vec![me(libc::SCHED_FIFO), me(libc::SCHED_OTHER)],
