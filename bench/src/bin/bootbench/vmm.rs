@@ -54,7 +54,12 @@ pub fn one(vcpus: u8, memory_mib: u64, jailed: bool, n: usize) -> (f64, u64) {
         sched_gate: true,
         seccomp: true,
         control_socket: None,
-        jail: jailed.then(|| JailParams { uid: bench_uid() }),
+        // As the daemon does where the host has pid namespaces: the jail
+        // forks, the VM runs in the child, the started process reaps it.
+        jail: jailed.then(|| JailParams {
+            uid: bench_uid(),
+            pid_namespace: true,
+        }),
     };
     let t0 = Instant::now();
     let mut child = cmd.spawn().expect("spawn corral vmm");
@@ -73,9 +78,18 @@ pub fn one(vcpus: u8, memory_mib: u64, jailed: bool, n: usize) -> (f64, u64) {
         panic!("corral vmm: {e}")
     });
     let ms = (up - t0).as_secs_f64() * 1e3;
-    let rss = super::rss_kib(child.id()).unwrap_or(0);
+    // The VM's process: the started one, or (pid namespace) its child.
+    let inner = children(child.id());
+    let vm_pid = inner.first().copied().unwrap_or(child.id());
+    let rss = super::rss_kib(vm_pid).unwrap_or(0);
     if std::env::var_os("BOOTBENCH_SMAPS").is_some() {
-        super::print_smaps(child.id());
+        super::print_smaps(vm_pid);
+    }
+    for pid in inner {
+        // SAFETY: kill(2) of a child of our child, still unreaped by it
+        // (it reaps only when the VM ends, which SIGKILL of the outer does
+        // not wait for).
+        unsafe { libc::kill(pid as i32, libc::SIGKILL) };
     }
     let _ = child.kill();
     let _ = child.wait();
@@ -107,4 +121,13 @@ fn wait_probe_up(sock: &OwnedFd) -> Result<Instant, String> {
         }
     }
     Err("10000 messages without PROBE-UP".into())
+}
+
+/// The children of `pid` (`/proc/PID/task/PID/children`).
+fn children(pid: u32) -> Vec<u32> {
+    std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
+        .unwrap_or_default()
+        .split_whitespace()
+        .filter_map(|p| p.parse().ok())
+        .collect()
 }
