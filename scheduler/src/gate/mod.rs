@@ -34,6 +34,19 @@
 //! nothing (the decision is the owner's) and [`shutdown`](Gate::shutdown)
 //! releases the peer's own waiters.
 //!
+//! # When the owner goes, and a new one comes ([`handover`])
+//!
+//! A VM process whose daemon died must not stay parked on a word nobody
+//! will open: the peer [`release`](Gate::release)s the gate (its own
+//! threads treat it as open, whatever the word says) and
+//! [`resume`](Gate::resume)s obeying the word when a new daemon adopts it.
+//! That daemon gets the memfd back from the VM process and maps it as the
+//! owner again with [`Gate::reattach`]: it checks the fd as the peer does
+//! (a sealed memfd of one page; an fd of another kind is refused, so a VM
+//! process cannot hand it a file whose mapping could block or shrink),
+//! takes nothing from the page but the transition sequence (any value is
+//! a valid one), and starts open with a park count of 0.
+//!
 //! # Enforcement is level-triggered
 //!
 //! The scheduler thread makes every gate match the policy's *current*
@@ -114,6 +127,7 @@ use std::time::{Duration, Instant};
 use crate::policy::Action;
 
 pub mod cpu;
+mod handover;
 pub mod shm;
 
 use shm::{Block, Mapping, PARKED, SEQ, SHUTDOWN};
@@ -155,6 +169,10 @@ pub struct Gate {
     parks: AtomicU64,
     /// Peer: this process shut the gate down (its own threads stop).
     local_shutdown: AtomicBool,
+    /// Peer: the owner is gone, so this process opened the gate for its
+    /// own threads ([`release`](Gate::release)) until a new owner
+    /// [`resume`](Gate::resume)s it.
+    released: AtomicBool,
     /// Serialises the owner's transitions (word update and store).
     transition: Mutex<()>,
     kick: RwLock<Option<KickFn>>,
@@ -191,6 +209,7 @@ impl Gate {
             mine: AtomicU32::new(0),
             parks: AtomicU64::new(0),
             local_shutdown: AtomicBool::new(false),
+            released: AtomicBool::new(false),
             transition: Mutex::new(()),
             kick: RwLock::new(None),
         }
@@ -252,7 +271,8 @@ impl Gate {
     }
 
     /// The state this side acts on: the owner's own copy, or (peer) the
-    /// shared word plus this process's shutdown.
+    /// shared word plus this process's shutdown, and never parked while
+    /// released.
     fn current(&self) -> u32 {
         match self.side {
             Side::Owner => self.mine.load(Ordering::SeqCst),
@@ -262,7 +282,12 @@ impl Gate {
                 } else {
                     0
                 };
-                self.block().state.load(Ordering::SeqCst) | local
+                let s = self.block().state.load(Ordering::SeqCst) | local;
+                if self.released.load(Ordering::SeqCst) {
+                    s & !PARKED
+                } else {
+                    s
+                }
             }
         }
     }

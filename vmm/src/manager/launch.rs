@@ -91,30 +91,35 @@ impl Manager {
                 file: Some(f.clone()),
             })
             .collect();
-        let gate = Arc::new(Gate::new());
+        let gated = self.cfg.cpu_backend == CpuBackend::Gate;
         let handle = match &self.cfg.vm_processes {
             Some(p) => {
+                // The gate is a page shared with the VM process.
+                let (gate, fd) = match gated {
+                    true => Gate::new_shared()
+                        .map(|(g, fd)| (Some(g), Some(fd)))
+                        .map_err(|e| VmError::Config(format!("scheduler gate: {e}")))?,
+                    false => (None, None),
+                };
                 // With the cgroup backend, in its group from the start.
-                let vm = self.start_process(p, &cfg, files, req)?;
-                if self.cfg.cpu_backend == CpuBackend::Gate {
-                    vm.relay_gate(gate.clone());
+                let vm = self.start_process(p, &cfg, files, req, fd)?;
+                if let Some(gate) = gate {
+                    self.attach_process(id, &vm, gate, usize::from(vcpus));
                 }
                 VmRun::Remote(vm)
             }
             _ => {
-                if self.cfg.cpu_backend == CpuBackend::Gate {
-                    cfg.sched_gate = Some(gate.clone());
+                let gate = gated.then(|| Arc::new(Gate::new()));
+                cfg.sched_gate = gate.clone();
+                let h = crate::builder::start(&cfg)?;
+                if let Some(gate) = gate {
+                    let extra = h.device_tid().into_iter().collect();
+                    self.cpu.attach(id, gate, h.vcpu_tids().to_vec(), extra);
                 }
-                VmRun::Local(crate::builder::start(&cfg)?)
+                VmRun::Local(h)
             }
         };
         match self.cfg.cpu_backend {
-            CpuBackend::Gate => self.cpu.attach(
-                id,
-                gate,
-                handle.vcpu_tids().to_vec(),
-                handle.device_tid().into_iter().collect(),
-            ),
             // A VM process is in its group already (`start_process`); the
             // threads of a VM in the daemon join it now.
             CpuBackend::Cgroup if matches!(handle, VmRun::Local(_)) => {
@@ -130,8 +135,7 @@ impl Manager {
                     return Err(cgplace::cg_err(e));
                 }
             }
-            CpuBackend::Cgroup => {}
-            CpuBackend::None => {}
+            CpuBackend::Gate | CpuBackend::Cgroup | CpuBackend::None => {}
         }
         tracing::info!(
             vm = name,
@@ -142,17 +146,31 @@ impl Manager {
         Ok((handle, cfg.cmdline))
     }
 
+    /// Enforces the gate backend on VM process `vm` (`vcpus` vCPUs)
+    /// through `gate`, the owner side of the page it shares with the
+    /// process: the scheduler thread parks and unparks the word itself and
+    /// kicks the vCPU threads by host tid (`KickMode::Signal`); their CPU
+    /// time is the process's clock and their run times (host tids).
+    pub(super) fn attach_process(&self, id: VmId, vm: &RemoteVm, gate: Arc<Gate>, vcpus: usize) {
+        gate.set_kick(vm.gate_kick());
+        let ids = vm.host_ids();
+        let (pid, tids) = (ids.pid as libc::pid_t, ids.vcpu_tids.clone());
+        self.cpu.attach_process(id, gate, pid, vcpus, tids);
+    }
+
     /// Starts `cfg` in a VM process of its own: the files the daemon opened
     /// (and locked) are passed as fds, the rest as the configuration
-    /// message. The daemon keeps its own handles of the files (the image
-    /// book releases their locks when the VM is released). The disks' group
-    /// is its class's, over the class's shared page when it has one.
+    /// message, with the scheduler gate's memfd `gate` if any. The daemon
+    /// keeps its own handles of the files (the image book releases their
+    /// locks when the VM is released). The disks' group is its class's,
+    /// over the class's shared page when it has one.
     fn start_process(
         &self,
         p: &VmProcesses,
         cfg: &VmConfig,
         files: &crate::images::VmFiles,
         req: &VmRequest,
+        gate: Option<std::os::fd::OwnedFd>,
     ) -> Result<Arc<RemoteVm>, ManagerError> {
         use crate::vmproc::proto::{DiskSpec, PassedFile, VmSpec};
         use std::os::fd::AsFd;
@@ -219,7 +237,10 @@ impl Manager {
             kernel,
             initrd,
             disks,
-            sched_gate: self.cfg.cpu_backend == CpuBackend::Gate,
+            // After the files and the class group's page.
+            sched_gate: gate
+                .as_ref()
+                .map(|_| fds.len() + usize::from(page.is_some())),
             seccomp: p.seccomp,
             control_socket: self.control_socket(&cfg.name),
             jail: lease.as_ref().map(|l| crate::vmproc::proto::JailParams {
@@ -229,6 +250,7 @@ impl Manager {
         };
         let mut borrowed: Vec<_> = fds.iter().map(|f| f.file().as_fd()).collect();
         borrowed.extend(page.as_deref().map(|f| f.as_fd()));
+        borrowed.extend(gate.as_ref().map(|g| g.as_fd()));
         // In a session of its own when it may outlive the daemon.
         let setsid = spec.control_socket.is_some();
         // The cgroup backend's group, made before the process exists; the

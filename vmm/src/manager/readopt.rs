@@ -11,7 +11,7 @@ use super::state::StateFile;
 use super::{CpuBackend, Entry, Manager, VmRun, lock};
 use crate::handle::VmHandle;
 use crate::vmproc::adopt::{Adopted, adopt, stop_strays};
-use corral_scheduler::{Gate, VmSpec};
+use corral_scheduler::VmSpec;
 
 impl Manager {
     /// Re-adopts the VM processes of `file`'s VMs (their entries are
@@ -71,15 +71,19 @@ impl Manager {
                     self.images.book(&v.name, files.iter());
                     self.attach_class_io(&vm, &old.request.class, &old.request.disks);
                     self.cg_readopt(&v.name, &old.request, &vm);
-                    if self.cfg.cpu_backend == CpuBackend::Gate {
-                        let gate = Arc::new(Gate::new());
-                        vm.relay_gate(gate.clone());
-                        self.cpu.attach(
-                            old.id,
-                            gate,
-                            vm.vcpu_tids().to_vec(),
-                            vm.device_tid().into_iter().collect(),
-                        );
+                    // The gate the VM process gave back, owned again; it
+                    // runs unsupervised, its gate open, without one.
+                    match vm.take_sched_gate() {
+                        Some(gate) if self.cfg.cpu_backend == CpuBackend::Gate => {
+                            self.attach_process(old.id, &vm, gate, old.request.vcpus as usize);
+                        }
+                        None if self.cfg.cpu_backend == CpuBackend::Gate => {
+                            tracing::warn!(
+                                vm = v.name,
+                                "no scheduler gate: its shares are not enforced"
+                            );
+                        }
+                        _ => {}
                     }
                     adopted.insert(v.name.clone());
                     tracing::info!(vm = v.name, pid = vm.pid(), "VM process re-adopted");

@@ -2,8 +2,9 @@
 //! one ([`adopt`]): by the control socket each left in the state
 //! directory, checking that the process is the run the state file names
 //! (name and nonce), getting its files back (the same open files, so the
-//! same image locks) and having its output sent from the start of what it
-//! kept.
+//! same image locks) and its scheduler gate (the daemon maps it as the
+//! owner again, before the process obeys it), and having its output sent
+//! from the start of what it kept.
 
 use std::collections::BTreeMap;
 use std::os::fd::{AsFd, OwnedFd};
@@ -119,13 +120,28 @@ pub fn adopt(
         );
         return gone("another process holds its control socket".into());
     }
-    let files: Vec<HostFile> = match answers.remove(&2) {
-        Some((Response::Files(paths), fds)) if paths.len() == fds.len() => paths
-            .into_iter()
-            .zip(fds)
-            .filter_map(|(p, fd)| HostFile::from_passed(std::fs::File::from(fd), p).ok())
-            .collect(),
-        _ => Vec::new(),
+    // The files, then the scheduler gate's memfd if it has one: re-attached
+    // as the owner before `Adopt`, so the VM process, open while
+    // unsupervised, resumes on an open gate, and the scheduler parks it
+    // when it attaches. An fd that is not a gate page is refused.
+    let (files, gate): (Vec<HostFile>, _) = match answers.remove(&2) {
+        Some((Response::Files(paths), mut fds))
+            if matches!(fds.len().checked_sub(paths.len()), Some(0 | 1)) =>
+        {
+            let gate = (fds.len() > paths.len()).then(|| fds.pop()).flatten();
+            let files = paths
+                .into_iter()
+                .zip(fds)
+                .filter_map(|(p, fd)| HostFile::from_passed(std::fs::File::from(fd), p).ok())
+                .collect();
+            let gate = gate.and_then(|fd| {
+                corral_scheduler::Gate::reattach(fd)
+                    .map_err(|e| tracing::warn!(vm = name, "its scheduler gate: {e}"))
+                    .ok()
+            });
+            (files, gate)
+        }
+        _ => (Vec::new(), None),
     };
     // The process that listens on the socket (the kernel says which: the
     // VM process made it before its jail, so with a pid namespace this is
@@ -145,11 +161,19 @@ pub fn adopt(
         Ok(vm) => Arc::new(vm),
         Err(e) => return gone(format!("not adopted: {e}")),
     };
+    let sched_gate = gate.is_some();
+    if let Some(g) = gate {
+        vm.set_sched_gate(g);
+    }
     // Not waited for: it cannot be refused, and a process that ends
     // before it takes it is seen ending by the reader thread (its exit, or
     // the socket's end). Waiting was one more round trip per VM, through
-    // the reader thread.
-    vm.tell(Request::Adopt { console_from: 0 });
+    // the reader thread. (A park the scheduler makes before the process
+    // takes it is kicked again by the process: `Gate::resume`.)
+    vm.tell(Request::Adopt {
+        console_from: 0,
+        sched_gate,
+    });
     Adopted::Running(vm, files)
 }
 

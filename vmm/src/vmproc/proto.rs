@@ -61,9 +61,11 @@ pub struct VmSpec {
     pub initrd: Option<PassedFile>,
     /// Disks, in order.
     pub disks: Vec<DiskSpec>,
-    /// Give the vCPUs a scheduler gate that [`Request::Park`] and
-    /// [`Request::Unpark`] drive (the daemon's `gate` backend).
-    pub sched_gate: bool,
+    /// The daemon's `gate` backend: the index among the passed files of
+    /// the scheduler gate's memfd (`Gate::new_shared`), which the VM
+    /// process maps as its vCPUs' gate (`Gate::from_fd`) and keeps, to
+    /// give it back with [`Request::Files`].
+    pub sched_gate: Option<usize>,
     /// Install the seccomp filters.
     pub seccomp: bool,
     /// Listen here for a daemon that re-adopts the process (0600).
@@ -245,10 +247,6 @@ pub enum Request {
     Pause,
     /// Resumes it ([`Response::Bool`]: it was paused).
     Resume,
-    /// Parks the scheduler gate (the daemon's `gate` backend).
-    Park,
-    /// Unparks it.
-    Unpark,
     /// Stops the VM.
     Stop,
     /// ACPI power button ([`Response::Bool`]).
@@ -265,14 +263,22 @@ pub enum Request {
         offset: u64,
     },
     /// The VM process's files (kernel, initrd, disks) as SCM_RIGHTS, with
-    /// [`Response::Files`]: a daemon that re-adopts the process books
-    /// their images again (the same open files: the same locks).
+    /// [`Response::Files`] (their paths): a daemon that re-adopts the
+    /// process books their images again (the same open files: the same
+    /// locks). After them, one more fd if the process has a scheduler
+    /// gate: its memfd, which the daemon maps as the gate's owner again
+    /// (`Gate::reattach`) before `Adopt`.
     Files,
     /// The daemon on this connection supervises the process from now on:
     /// output and the exit go to it, console output from `console_from`.
     Adopt {
         /// Absolute console offset to send from.
         console_from: u64,
+        /// The daemon owns the scheduler gate again (it re-attached the
+        /// memfd that came with [`Request::Files`]): obey it (it was open while
+        /// unsupervised). Without, it stays open.
+        #[serde(default)]
+        sched_gate: bool,
     },
 }
 

@@ -40,6 +40,10 @@ struct Inner {
     exit_cond: Condvar,
     /// The socket reached its end: the process is gone (or closed it).
     gone: AtomicBool,
+    /// Set as soon as the socket ends (before `gone`, which waits for the
+    /// launcher's account): the kicks stop then, before its pid can be
+    /// reused.
+    closed: Arc<AtomicBool>,
     console: Arc<ConsoleLog>,
     /// The counters the VM process sent with its exit.
     last_stats: Mutex<Option<Stats>>,
@@ -57,7 +61,9 @@ pub struct RemoteVm {
     files: Vec<HostFile>,
     paused: AtomicBool,
     reader: Mutex<Option<JoinHandle<()>>>,
-    relay: Mutex<Option<(Arc<Gate>, JoinHandle<()>)>>,
+    /// The owner side of the VM's scheduler gate, when the daemon got it
+    /// back from a VM process it re-adopted ([`Self::set_sched_gate`]).
+    sched_gate: Mutex<Option<Arc<Gate>>>,
     stats: Mutex<Option<(Instant, Stats)>>,
     launcher: Arc<Launcher>,
 }
@@ -161,6 +167,7 @@ impl RemoteVm {
             exit: Mutex::new(status.exit.clone()),
             exit_cond: Condvar::new(),
             gone: AtomicBool::new(false),
+            closed: Arc::new(AtomicBool::new(false)),
             console: ConsoleLog::new(console_bytes),
             last_stats: Mutex::new(None),
         });
@@ -184,7 +191,7 @@ impl RemoteVm {
             files,
             paused: AtomicBool::new(status.paused),
             reader: Mutex::new(reader),
-            relay: Mutex::new(None),
+            sched_gate: Mutex::new(None),
             stats: Mutex::new(None),
             launcher,
         })
@@ -507,7 +514,6 @@ impl RemoteVm {
             self.launcher.kill(self.ids.outer);
             self.wait_gone(Duration::from_secs(5));
         }
-        self.stop_relay();
         if let Some(t) = lock(&self.reader).take() {
             let _ = t.join();
         }
@@ -535,78 +541,36 @@ impl RemoteVm {
         self.ids.device_tid
     }
 
-    /// Drives the VM process's scheduler gate from `gate`, the daemon's
-    /// gate of the VM that the scheduler thread parks and unparks: a relay
-    /// thread sends the gate's state whenever it changes (the gate's kick
-    /// wakes it; it also looks every 100 ms). Interim, until the gate is a
-    /// word in memory shared with the VM process.
-    pub fn relay_gate(self: &Arc<Self>, gate: Arc<Gate>) {
-        let wake = Arc::new((Mutex::new(false), Condvar::new()));
-        {
-            let wake = wake.clone();
-            gate.set_kick(move || {
-                *lock(&wake.0) = true;
-                wake.1.notify_one();
-            });
+    /// The kick of the scheduler gate's park ([`crate::vmgate::KickMode::Signal`]):
+    /// the daemon signals the vCPU threads by host tid ([`Self::host_ids`]),
+    /// until the VM process's socket ends (its pid may be reused after
+    /// that).
+    pub fn gate_kick(&self) -> impl Fn() + Send + Sync + 'static {
+        let kick =
+            crate::vmgate::signal_kick(self.ids.pid as libc::pid_t, self.ids.vcpu_tids.clone());
+        let closed = self.inner.closed.clone();
+        move || {
+            if !closed.load(Ordering::Acquire) {
+                kick();
+            }
         }
-        let weak = Arc::downgrade(self);
-        let g = gate.clone();
-        let t = std::thread::Builder::new()
-            .name(format!("relay-{}", self.ids.pid))
-            .spawn(move || {
-                // A hop between the scheduler thread and the vCPUs: it must
-                // wake on time beside busy vCPUs and outside loads.
-                crate::util::raise_priority();
-                let mut sent = false;
-                loop {
-                    if g.is_shutdown() {
-                        return;
-                    }
-                    let want = g.is_parked();
-                    if want != sent {
-                        let Some(vm) = weak.upgrade() else { return };
-                        vm.tell(if want { Request::Park } else { Request::Unpark });
-                        sent = want;
-                    }
-                    if want {
-                        let _ = g.wait_while_parked_timeout(Duration::from_millis(100));
-                    } else {
-                        let mut w = lock(&wake.0);
-                        if !*w {
-                            w = wake
-                                .1
-                                .wait_timeout(w, Duration::from_millis(100))
-                                .unwrap_or_else(|p| p.into_inner())
-                                .0;
-                        }
-                        *w = false;
-                    }
-                }
-            });
-        if let Ok(t) = t {
-            *lock(&self.relay) = Some((gate, t));
-        }
+    }
+
+    /// Records the owner side of the scheduler gate that a re-adopted VM
+    /// process gave back (`Gate::reattach`).
+    pub(super) fn set_sched_gate(&self, gate: Arc<Gate>) {
+        *lock(&self.sched_gate) = Some(gate);
+    }
+
+    /// The scheduler gate a re-adopted VM process gave back, if any.
+    pub fn take_sched_gate(&self) -> Option<Arc<Gate>> {
+        lock(&self.sched_gate).take()
     }
 
     /// Lets the VM process go without stopping it: closes the connection
     /// (the process keeps running unsupervised, or another daemon adopts it).
     pub fn forget(&self) {
         let _ = rustix::net::shutdown(&self.inner.sock, rustix::net::Shutdown::Both);
-        self.stop_relay();
-    }
-
-    fn stop_relay(&self) {
-        if let Some((g, t)) = lock(&self.relay).take() {
-            g.clear_kick();
-            g.shutdown();
-            let _ = t.join();
-        }
-    }
-}
-
-impl Drop for RemoteVm {
-    fn drop(&mut self) {
-        self.stop_relay();
     }
 }
 
@@ -652,6 +616,7 @@ fn read_loop(inner: &Inner, name: &str, pid: u32, outer: u32, launcher: &Launche
         }
     }
     // The process is gone (its end of the socket closed with it).
+    inner.closed.store(true, Ordering::Release);
     let missing = lock(&inner.exit).is_none();
     if missing {
         let how = launcher

@@ -5,7 +5,7 @@
 //! output, one waits for the VM's end.
 
 use std::collections::BTreeMap;
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -61,13 +61,29 @@ impl Link {
 struct VmProcess {
     handle: VmHandle,
     nonce: String,
-    sched_gate: Option<Arc<Gate>>,
+    /// The peer side of the daemon's scheduler gate, and its memfd (kept
+    /// for a daemon that re-adopts the process: [`Request::Files`]).
+    sched_gate: Option<(Arc<Gate>, OwnedFd)>,
     groups: Mutex<BTreeMap<String, ThrottleGroup>>,
     link: Link,
     supervised: AtomicBool,
     /// Where a later daemon finds the process (`NAME.sock` in the state
     /// directory's `vms/`), if it outlives its daemon.
     control_socket: Option<std::path::PathBuf>,
+}
+
+/// Tells the daemon why the VM cannot start (`StartFailed`) and returns
+/// that as the error: every failure before `Started` ends here.
+fn start_failed(sock: &OwnedFd, why: impl std::fmt::Display) -> VmProcessError {
+    let message = why.to_string();
+    let _ = wire::send(
+        sock,
+        &FromVm::StartFailed {
+            message: message.clone(),
+        },
+        &[],
+    );
+    VmProcessError::Config(message)
 }
 
 /// Runs the VM process on `sock` (the daemon's end of a socketpair was
@@ -77,18 +93,13 @@ pub fn run(sock: OwnedFd, builtin: Arc<[u8]>) -> Result<i32, VmProcessError> {
     let (hello, fds): (Hello, Vec<OwnedFd>) = wire::recv(&sock)?
         .ok_or_else(|| VmProcessError::Config("the daemon closed the socket".into()))?;
     if hello.version != PROTOCOL_VERSION {
-        let message = format!(
-            "protocol version {} is not supported: this corral vmm speaks version {PROTOCOL_VERSION}",
-            hello.version
-        );
-        let _ = wire::send(
+        return Err(start_failed(
             &sock,
-            &FromVm::StartFailed {
-                message: message.clone(),
-            },
-            &[],
-        );
-        return Err(VmProcessError::Config(message));
+            format!(
+                "protocol version {} is not supported: this corral vmm speaks version {PROTOCOL_VERSION}",
+                hello.version
+            ),
+        ));
     }
     let spec = hello.vm;
     let mut fds: Vec<Option<OwnedFd>> = fds.into_iter().map(Some).collect();
@@ -99,13 +110,14 @@ pub fn run(sock: OwnedFd, builtin: Arc<[u8]>) -> Result<i32, VmProcessError> {
         .filter_map(|d| d.group.as_ref()?.page)
         .filter_map(|i| Some((i, fds.get_mut(i)?.take()?)))
         .collect();
-    let mut take = |f: &super::proto::PassedFile| -> Result<HostFile, VmProcessError> {
-        let fd = fds
-            .get_mut(f.fd)
+    let mut take_fd = |i: usize| {
+        fds.get_mut(i)
             .and_then(Option::take)
-            .ok_or_else(|| VmProcessError::Config(format!("file {} was not passed", f.fd)))?;
-        HostFile::from_passed(std::fs::File::from(fd), f.path.clone())
-            .map_err(|e| VmProcessError::Config(e.to_string()))
+            .ok_or_else(|| start_failed(&sock, format!("file {i} was not passed")))
+    };
+    let mut take = |f: &super::proto::PassedFile| -> Result<HostFile, VmProcessError> {
+        HostFile::from_passed(std::fs::File::from(take_fd(f.fd)?), f.path.clone())
+            .map_err(|e| start_failed(&sock, e))
     };
     let kernel = match &spec.kernel {
         Some(f) => KernelSource::File(take(f)?),
@@ -127,7 +139,8 @@ pub fn run(sock: OwnedFd, builtin: Arc<[u8]>) -> Result<i32, VmProcessError> {
         let group = match &d.group {
             Some(g) => {
                 let page = g.page.and_then(|i| pages.remove(&i));
-                Some((group_for(&mut groups, g, now, page)?, g.weight))
+                let x = group_for(&mut groups, g, now, page).map_err(|e| start_failed(&sock, e))?;
+                Some((x, g.weight))
             }
             None => None,
         };
@@ -142,8 +155,13 @@ pub fn run(sock: OwnedFd, builtin: Arc<[u8]>) -> Result<i32, VmProcessError> {
             engine: d.engine.as_deref().and_then(super::proto::engine_of),
         });
     }
-    let sched_gate = spec.sched_gate.then(|| Arc::new(Gate::new()));
-    cfg.sched_gate = sched_gate.clone();
+    // The daemon's scheduler gate: its page is shared with the daemon,
+    // which parks and unparks it and kicks the vCPU threads by host tid.
+    let sched_gate = match spec.sched_gate {
+        Some(i) => Some(peer_gate(take_fd(i)?).map_err(|e| start_failed(&sock, e))?),
+        None => None,
+    };
+    cfg.sched_gate = sched_gate.as_ref().map(|(g, _)| g.clone());
     // The control socket and the exit record are the process's only paths
     // on the host: made before the jail, used by fd after it.
     // Test-only: a VM process slow to get here (its daemon may die first).
@@ -157,23 +175,17 @@ pub fn run(sock: OwnedFd, builtin: Arc<[u8]>) -> Result<i32, VmProcessError> {
         }) {
             Ok(l) => Some(l),
             Err(e) => {
-                let message = format!("control socket {}: {e}", path.display());
-                let _ = wire::send(
+                return Err(start_failed(
                     &sock,
-                    &FromVm::StartFailed {
-                        message: message.clone(),
-                    },
-                    &[],
-                );
-                return Err(VmProcessError::Config(message));
+                    format!("control socket {}: {e}", path.display()),
+                ));
             }
         },
         None => None,
     };
     // The threads of this process that must wake on time beside busy vCPUs
-    // and outside loads (the device thread; the control thread that carries
-    // the daemon's park and unpark) are started by this thread and inherit
-    // its nice, which only a privileged process can lower: take nice -10
+    // and outside loads (the device thread) are started by this thread and
+    // inherit its nice, which only a privileged process can lower: take nice -10
     // now, before the jail drops the privilege. The vCPU threads go back to
     // nice 0 as they start (`vmthread::spawn`), so the guest's own work
     // competes with the host's at the normal weight.
@@ -195,17 +207,7 @@ pub fn run(sock: OwnedFd, builtin: Arc<[u8]>) -> Result<i32, VmProcessError> {
             };
             match crate::jail::enter_vm(&cfg, j.uid, ns) {
                 Ok(k) => Some(k),
-                Err(e) => {
-                    let message = e.to_string();
-                    let _ = wire::send(
-                        &sock,
-                        &FromVm::StartFailed {
-                            message: message.clone(),
-                        },
-                        &[],
-                    );
-                    return Err(VmProcessError::Config(message));
-                }
+                Err(e) => return Err(start_failed(&sock, e)),
             }
         }
         None => None,
@@ -214,26 +216,13 @@ pub fn run(sock: OwnedFd, builtin: Arc<[u8]>) -> Result<i32, VmProcessError> {
         crate::seccomp::enable()
             .and_then(|()| crate::seccomp::check_all())
             .and_then(|()| crate::seccomp::install(crate::seccomp::ThreadKind::Runtime))
-            .map_err(|e| VmProcessError::Config(e.to_string()))?;
+            .map_err(|e| start_failed(&sock, e))?;
     }
     let started = match &kvm {
         Some(k) => crate::builder::start_with_kvm(&cfg, k),
         None => crate::builder::start(&cfg),
     };
-    let handle = match started {
-        Ok(h) => h,
-        Err(e) => {
-            let message = e.to_string();
-            let _ = wire::send(
-                &sock,
-                &FromVm::StartFailed {
-                    message: message.clone(),
-                },
-                &[],
-            );
-            return Err(VmProcessError::Config(message));
-        }
-    };
+    let handle = started.map_err(|e| start_failed(&sock, e))?;
     let sock = Arc::new(sock);
     let vm = Arc::new(VmProcess {
         handle,
@@ -321,6 +310,13 @@ pub fn run(sock: OwnedFd, builtin: Arc<[u8]>) -> Result<i32, VmProcessError> {
     Ok(0)
 }
 
+/// The peer side of the scheduler gate whose memfd the daemon passed, and
+/// a copy of the fd (for the next daemon).
+fn peer_gate(fd: OwnedFd) -> std::io::Result<(Arc<Gate>, OwnedFd)> {
+    let kept = fd.try_clone()?;
+    Ok((Gate::from_fd(fd)?, kept))
+}
+
 /// The exit record's file, created empty (0600) before the jail: a jailed
 /// process writes its record through this fd when its VM ends.
 fn open_exit_record(path: &std::path::Path) -> Option<std::fs::File> {
@@ -374,7 +370,7 @@ impl VmProcess {
             nonce: self.nonce.clone(),
             pid: std::process::id(),
             paused: h.is_paused(),
-            parked: self.sched_gate.as_ref().is_some_and(|g| g.is_parked()),
+            parked: self.sched_gate.as_ref().is_some_and(|(g, _)| g.is_parked()),
             unsupervised: !self.supervised.load(Ordering::Acquire),
             exit: h.exit_reason(),
             vcpu_tids: h.vcpu_tids().to_vec(),
@@ -468,8 +464,6 @@ impl VmProcess {
             }
             Request::Pause => Response::Bool(h.pause()),
             Request::Resume => Response::Bool(h.resume()),
-            Request::Park => Response::Bool(self.sched_gate.as_ref().is_some_and(|g| g.park())),
-            Request::Unpark => Response::Bool(self.sched_gate.as_ref().is_some_and(|g| g.unpark())),
             Request::Stop => {
                 h.stop();
                 Response::Ok
@@ -488,44 +482,59 @@ impl VmProcess {
         }
     }
 
+    /// Answers one request (with the files `fds` that came with it) on
+    /// daemon connection `sock`, with the files that go with the answer
+    /// (those of the VM, its scheduler gate).
+    fn answer(
+        &self,
+        req: Request,
+        fds: Vec<OwnedFd>,
+        sock: &Arc<OwnedFd>,
+    ) -> (Response, Vec<BorrowedFd<'_>>) {
+        match req {
+            Request::Files => {
+                let files = self.handle.files();
+                let paths = files.iter().map(|f| f.path().to_path_buf()).collect();
+                // The gate's memfd after the files (no round trip more for a
+                // re-adopting daemon).
+                let fds = files.iter().map(|f| f.file().as_fd());
+                let gate = self.sched_gate.as_ref().map(|(_, fd)| fd.as_fd());
+                (Response::Files(paths), fds.chain(gate).collect())
+            }
+            Request::Adopt {
+                console_from,
+                sched_gate,
+            } => {
+                // Supervised before any output goes to the new daemon: one
+                // that has seen output sees this.
+                self.supervised.store(true, Ordering::Release);
+                self.link
+                    .console_next
+                    .store(console_from, Ordering::Release);
+                *lock(&self.link.conn) = Some(sock.clone());
+                // The daemon owns the gate again (it re-attached it before
+                // this): the word holds from now on.
+                if let Some((g, _)) = self.sched_gate.as_ref().filter(|_| sched_gate) {
+                    g.resume();
+                }
+                tracing::info!(vm = self.handle.name(), "re-adopted by a daemon");
+                (Response::Ok, Vec::new())
+            }
+            req => (
+                self.handle(req, fds.into_iter().map(Some).collect()),
+                Vec::new(),
+            ),
+        }
+    }
+
     /// Reads requests from one daemon connection until it closes.
     fn serve_connection(&self, sock: Arc<OwnedFd>) {
-        // Park and unpark from the daemon's scheduler arrive here: this
-        // thread must wake on time beside busy vCPUs (RLIMIT_NICE allows it
-        // in the jail).
-        crate::util::raise_priority();
         loop {
             match wire::recv::<ToVm>(sock.as_fd()) {
                 Ok(Some((m, fds))) => {
-                    let resp = match m.req {
-                        Request::Files => {
-                            let files = self.handle.files();
-                            let paths = files.iter().map(|f| f.path().to_path_buf()).collect();
-                            let fds: Vec<_> = files.iter().map(|f| f.file().as_fd()).collect();
-                            let msg = FromVm::Reply {
-                                id: m.id,
-                                resp: Response::Files(paths),
-                            };
-                            if wire::send(&*sock, &msg, &fds).is_err() {
-                                break;
-                            }
-                            continue;
-                        }
-                        Request::Adopt { console_from } => {
-                            // Supervised before any output goes to the new
-                            // daemon: one that has seen output sees this.
-                            self.supervised.store(true, Ordering::Release);
-                            self.link
-                                .console_next
-                                .store(console_from, Ordering::Release);
-                            *lock(&self.link.conn) = Some(sock.clone());
-                            tracing::info!(vm = self.handle.name(), "re-adopted by a daemon");
-                            Response::Ok
-                        }
-                        req => self.handle(req, fds.into_iter().map(Some).collect()),
-                    };
+                    let (resp, fds) = self.answer(m.req, fds, &sock);
                     if m.id != 0
-                        && let Err(e) = wire::send(&*sock, &FromVm::Reply { id: m.id, resp }, &[])
+                        && let Err(e) = wire::send(&*sock, &FromVm::Reply { id: m.id, resp }, &fds)
                     {
                         tracing::warn!(vm = self.handle.name(), "reply: {e}");
                         break;
@@ -566,8 +575,10 @@ impl VmProcess {
             }
         }
         self.supervised.store(false, Ordering::Relaxed);
-        if let Some(g) = &self.sched_gate {
-            g.unpark();
+        // Nobody opens the shared word now: the vCPUs ignore it (and any
+        // that waits on it goes on) until a daemon re-adopts the process.
+        if let Some((g, _)) = &self.sched_gate {
+            g.release();
         }
         tracing::warn!(
             vm = self.handle.name(),
