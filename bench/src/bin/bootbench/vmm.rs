@@ -4,7 +4,7 @@
 //! not), and `PROBE-UP` read from the console messages it sends back.
 //! The daemon's launcher forks and execs it the same way (`vmproc::launcher`).
 
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::os::unix::process::CommandExt;
 use std::process::{Command, Stdio};
 use std::time::Instant;
@@ -51,7 +51,8 @@ pub fn one(vcpus: u8, memory_mib: u64, jailed: bool, n: usize) -> (f64, u64) {
         kernel: None,
         initrd: None,
         disks: Vec::new(),
-        sched_gate: true,
+        // The daemon's gate: a shared page, its memfd the only file passed.
+        sched_gate: Some(0),
         seccomp: true,
         control_socket: None,
         // As the daemon does where the host has pid namespaces: the jail
@@ -61,6 +62,7 @@ pub fn one(vcpus: u8, memory_mib: u64, jailed: bool, n: usize) -> (f64, u64) {
             pid_namespace: true,
         }),
     };
+    let (_gate, gate_fd) = corral_scheduler::Gate::new_shared().expect("scheduler gate");
     let t0 = Instant::now();
     let mut child = cmd.spawn().expect("spawn corral vmm");
     drop(theirs);
@@ -70,7 +72,7 @@ pub fn one(vcpus: u8, memory_mib: u64, jailed: bool, n: usize) -> (f64, u64) {
             version: PROTOCOL_VERSION,
             vm: spec,
         },
-        &[],
+        &[gate_fd.as_fd()],
     )
     .expect("send the configuration");
     let up = wait_probe_up(&ours).unwrap_or_else(|e| {
