@@ -493,6 +493,10 @@ async fn run(args: &ServeArgs, group: Option<u32>, mgr: Arc<Manager>) -> Result<
 /// logged.
 fn check_jail_namespaces() -> Result<bool, ServeError> {
     use corral_vmm::jail::NsKind;
+    // All at once first (one child); one by one only to name what fails.
+    if corral_vmm::jail::probe_together(&NsKind::ALL).is_ok() {
+        return Ok(true);
+    }
     for k in [NsKind::Mount, NsKind::Ipc, NsKind::Net, NsKind::Uts] {
         let t = std::time::Instant::now();
         let r = corral_vmm::jail::probe(k);

@@ -70,7 +70,7 @@ use rustix::thread::UnshareFlags;
 
 pub use error::{JailError, Step};
 pub use forvm::{HostView, enter_vm, host_view};
-pub use probe::{NsKind, probe, probe_all};
+pub use probe::{NsKind, probe, probe_all, probe_together};
 pub use reaper::ALLOWED as OUTER_SYSCALLS;
 pub use spec::{
     AS_MARGIN, AS_PER_VCPU, DEFAULT_UID_BASE, DEFAULT_UID_COUNT, JailFile, JailLimits, JailSpec,
