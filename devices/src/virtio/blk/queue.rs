@@ -180,8 +180,8 @@ impl Block {
     /// once more (a request published just before that check would
     /// otherwise wait for a notify that never comes).
     ///
-    /// The window adapts ([`super::pollwin`]): polls that run out shorten
-    /// it, a notification soon after the device gave up lengthens it.
+    /// The window adapts ([`super::pollwin`]): a wait for work longer than
+    /// the longest window shortens it, a shorter one lengthens it.
     pub fn process_queue_polling(&mut self) {
         self.poll.woken(monotonic_ns());
         loop {
@@ -231,7 +231,11 @@ impl Block {
             }
             self.poll.gave_up(monotonic_ns(), true);
             match notifications_on(act, &self.engine) {
-                Some(true) => continue,
+                // Work found by the re-check: a wake-up with no wait.
+                Some(true) => {
+                    self.poll.woken(monotonic_ns());
+                    continue;
+                }
                 Some(false) | None => return,
             }
         }
