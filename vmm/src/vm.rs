@@ -60,7 +60,7 @@ pub struct VmConfig {
 /// One virtio-blk disk of a VM: the one disk configuration type of the
 /// VMM. The CLI's `--disk` grammar is parsed by the devices' `DiskSpec`
 /// ([`DiskConfig::parse`]); the daemon's requests are
-/// [`crate::manager::DiskRequest`]s, which name their disks and carry the
+/// [`crate::daemon::manager::DiskRequest`]s, which name their disks and carry the
 /// API's limits.
 #[derive(Debug, Clone)]
 pub struct DiskConfig {

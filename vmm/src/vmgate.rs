@@ -139,7 +139,7 @@ pub fn spawn_cpu_publisher(
             let mut ns = vec![0u64; tids.len()];
             while !gate.is_shutdown() {
                 for (n, tid) in ns.iter_mut().zip(&tids) {
-                    if let Some(v) = crate::cpusched::thread_cpu_ns(*tid) {
+                    if let Some(v) = crate::threadclock::thread_cpu_ns(*tid) {
                         *n = v;
                     }
                 }
@@ -159,8 +159,8 @@ mod tests {
         let pid = unsafe { libc::getpid() };
         let a = process_cpu_ns(pid).unwrap();
         let spin = || {
-            let t = crate::cpusched::own_thread_cpu_ns();
-            while crate::cpusched::own_thread_cpu_ns() < t + 20_000_000 {
+            let t = crate::threadclock::own_thread_cpu_ns();
+            while crate::threadclock::own_thread_cpu_ns() < t + 20_000_000 {
                 std::hint::spin_loop();
             }
         };

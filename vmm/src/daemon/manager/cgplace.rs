@@ -1,4 +1,4 @@
-//! The `cgroup` CPU backend as the manager drives it ([`crate::cgroup`]):
+//! The `cgroup` CPU backend as the manager drives it ([`crate::daemon::cgroup`]):
 //! where a VM goes when it starts, moves or is re-adopted, and the groups a
 //! restarted daemon removes.
 //!
@@ -13,7 +13,7 @@
 //! - A VM in the daemon (`--vm-mode thread`): its vCPU and device threads by
 //!   tid, after it started.
 //! - After a restart the groups are found by path (the instance name comes
-//!   from the state directory, [`crate::cgroup::instance_name`]): each
+//!   from the state directory, [`crate::daemon::cgroup::instance_name`]): each
 //!   re-adopted VM's group gets its weight and cap again and its process is
 //!   written again (a no-op when it is there); then every group that no
 //!   class and no running VM names is removed ([`Manager::cg_prune`]).
@@ -21,7 +21,7 @@
 use std::collections::BTreeSet;
 
 use super::*;
-use crate::cgroup::CgroupError;
+use crate::daemon::cgroup::CgroupError;
 use crate::vmproc::remote::RemoteVm;
 
 /// The threads whose CPU time is a VM's: its vCPUs and its device thread

@@ -451,7 +451,7 @@ impl Manager {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::manager::test_manager;
+    use crate::daemon::manager::test_manager;
 
     fn req(name: &str) -> VmRequest {
         VmRequest {

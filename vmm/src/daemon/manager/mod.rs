@@ -47,8 +47,8 @@ use corral_scheduler::{
     Capacity, ClassSpec, ModelError, PolicyConfig, Scheduler, Stats, VmId, VmSpec,
 };
 
-use crate::cgroup::CgroupBackend;
-use crate::cpusched::CpuScheduler;
+use crate::daemon::cgroup::CgroupBackend;
+use crate::daemon::cpusched::CpuScheduler;
 use crate::hostfile::{HostFileError, HostImage, HostPolicy};
 use crate::images::ImageBook;
 use crate::vm::{ExitReason, KernelSource, VmConfig, VmError};
@@ -213,7 +213,7 @@ impl std::fmt::Debug for Manager {
     }
 }
 
-pub use crate::cpusched::thread_cpu_ns;
+pub use crate::threadclock::thread_cpu_ns;
 
 /// Checks a VM, disk or group name: the same rule as class names
 /// ([`corral_scheduler::model::name_problem`]).
@@ -257,10 +257,10 @@ impl Manager {
                 // Named after the state directory, so the next daemon on it
                 // finds the groups of the VM processes that outlive this one.
                 let placement = match cfg.vm_processes {
-                    Some(_) => crate::cgroup::Placement::Processes,
-                    None => crate::cgroup::Placement::Threads,
+                    Some(_) => crate::daemon::cgroup::Placement::Processes,
+                    None => crate::daemon::cgroup::Placement::Threads,
                 };
-                let instance = crate::cgroup::instance_name(cfg.state_dir.as_deref());
+                let instance = crate::daemon::cgroup::instance_name(cfg.state_dir.as_deref());
                 let cg = CgroupBackend::open(&instance, placement)
                     .map_err(|e| ManagerError::Invalid(format!("cgroup backend: {e}")))?;
                 tracing::info!(root = %cg.root().display(), ?placement, "cgroup backend");

@@ -7,7 +7,7 @@
 //! and is written back in the same form.
 
 use super::*;
-use crate::manager::{Limits, test_manager};
+use crate::daemon::manager::{Limits, test_manager};
 
 const FIXTURE: &str = include_str!("testdata/state-v1.json");
 

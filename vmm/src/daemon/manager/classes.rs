@@ -233,7 +233,7 @@ impl Manager {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::manager::test_manager;
+    use crate::daemon::manager::test_manager;
 
     fn cpu(shares: u32, cap: Option<u32>, reservation: Option<u32>) -> ClassConfig {
         ClassConfig {

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::manager::{DiskRequest, Limits, VmRequest};
+use crate::daemon::manager::{DiskRequest, Limits, VmRequest};
 
 /// The format this build writes and reads.
 pub const STATE_VERSION: u32 = 1;
