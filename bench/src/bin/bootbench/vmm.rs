@@ -15,10 +15,13 @@ use corral_vmm::vmproc::wire;
 /// The fd the VM process expects its socket on.
 const CHILD_FD: i32 = corral_vmm::vmproc::launcher::CHILD_FD;
 
-/// A uid for the jailed runs: the top of the daemon's default pool
-/// (`jail::DEFAULT_UID_BASE`), which a daemon leases from the bottom.
-fn bench_uid() -> u32 {
-    corral_vmm::jail::DEFAULT_UID_BASE + corral_vmm::jail::DEFAULT_UID_COUNT - 1
+/// A uid for jailed run `n`: one of the top 64 of the daemon's default pool
+/// (`jail::DEFAULT_UID_BASE`), which a daemon leases from the bottom. A uid
+/// per run, as the daemon leases one per VM: with one uid for all runs, a
+/// killed VM process that had not yet been torn down still counted against
+/// the next one's `RLIMIT_NPROC`, and its control thread got EAGAIN.
+fn bench_uid(n: usize) -> u32 {
+    corral_vmm::jail::DEFAULT_UID_BASE + corral_vmm::jail::DEFAULT_UID_COUNT - 1 - (n % 64) as u32
 }
 
 /// One VM process to `PROBE-UP`: (ms from the spawn, RSS KiB then).
@@ -58,7 +61,7 @@ pub fn one(vcpus: u8, memory_mib: u64, jailed: bool, n: usize) -> (f64, u64) {
         // As the daemon does where the host has pid namespaces: the jail
         // forks, the VM runs in the child, the started process reaps it.
         jail: jailed.then(|| JailParams {
-            uid: bench_uid(),
+            uid: bench_uid(n),
             pid_namespace: true,
         }),
     };
@@ -87,6 +90,7 @@ pub fn one(vcpus: u8, memory_mib: u64, jailed: bool, n: usize) -> (f64, u64) {
     if std::env::var_os("BOOTBENCH_SMAPS").is_some() {
         super::print_smaps(vm_pid);
     }
+    let inner_pids = inner.clone();
     for pid in inner {
         // SAFETY: kill(2) of a child of our child, still unreaped by it
         // (it reaps only when the VM ends, which SIGKILL of the outer does
@@ -95,7 +99,34 @@ pub fn one(vcpus: u8, memory_mib: u64, jailed: bool, n: usize) -> (f64, u64) {
     }
     let _ = child.kill();
     let _ = child.wait();
+    // The next run starts once this VM's processes are gone (or zombies),
+    // so runs do not overlap their teardown.
+    for pid in children_gone_wait(&inner_pids) {
+        eprintln!("bootbench: VM process {pid} still there after 2 s");
+    }
     (ms, rss)
+}
+
+/// Waits up to 2 s until every pid is gone or a zombie; returns those left.
+fn children_gone_wait(pids: &[u32]) -> Vec<u32> {
+    let alive = |p: &u32| {
+        std::fs::read_to_string(format!("/proc/{p}/stat"))
+            .ok()
+            .and_then(|s| {
+                s.rsplit(')')
+                    .next()
+                    .map(|r| r.trim_start().starts_with('Z'))
+                    .map(|z| !z)
+            })
+            .unwrap_or(false)
+    };
+    for _ in 0..200 {
+        if !pids.iter().any(alive) {
+            return Vec::new();
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    pids.iter().copied().filter(alive).collect()
 }
 
 /// Reads the VM process's messages until its console shows `PROBE-UP`:
