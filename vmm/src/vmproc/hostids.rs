@@ -28,32 +28,35 @@ pub struct HostIds {
 /// The host ids of the VM process behind `outer` (the pid its launcher
 /// reported, or the peer of its control socket), from what it `reported`
 /// about itself. Only `/proc` is believed: the process that runs the VM is
-/// `outer`'s child (or `outer`), and every thread id it reported must be
-/// one of that process's threads (`NSpid` of `/proc/PID/task/*/status`),
-/// so a VM process that lies can name none but its own threads. Fails if
-/// a reported thread is not there.
+/// `outer`'s child (or `outer`), and a reported thread id counts only if it
+/// is one of that process's threads (`NSpid` of `/proc/PID/task/*/status`),
+/// so a VM process that lies can name none but its own threads. A reported
+/// thread that is not there is left out, not an error: a VM whose guest
+/// fails at once (a vCPU fault) has ended its threads by the time the
+/// daemon looks, and must still be created to show `failed`. Fails only if
+/// the process itself is not found.
 pub fn host_ids(outer: u32, reported: &Status) -> std::io::Result<HostIds> {
     let view = crate::jail::host_view(outer)?;
-    let map = |t: libc::pid_t| -> std::io::Result<libc::pid_t> {
-        u32::try_from(t)
+    let map = |t: libc::pid_t| -> Option<libc::pid_t> {
+        let h = u32::try_from(t)
             .ok()
             .and_then(|t| view.host_tid(t))
             .and_then(|h| libc::pid_t::try_from(h).ok())
-            .ok_or_else(|| {
-                std::io::Error::other(format!(
-                    "thread {t} that the VM process reported is not one of process {}'s",
-                    view.pid
-                ))
-            })
+            // 0 and below are never a thread (0 would name the caller).
+            .filter(|&h| h > 0);
+        if h.is_none() {
+            tracing::debug!(
+                tid = t,
+                pid = view.pid,
+                "a thread the VM process reported is not one of its own (gone, or never was)"
+            );
+        }
+        h
     };
     Ok(HostIds {
         outer,
         pid: view.pid,
-        vcpu_tids: reported
-            .vcpu_tids
-            .iter()
-            .map(|&t| map(t))
-            .collect::<Result<_, _>>()?,
-        device_tid: reported.device_tid.map(map).transpose()?,
+        vcpu_tids: reported.vcpu_tids.iter().filter_map(|&t| map(t)).collect(),
+        device_tid: reported.device_tid.and_then(map),
     })
 }
