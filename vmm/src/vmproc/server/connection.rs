@@ -1,0 +1,153 @@
+//! The VM process's daemon connections: the current one ([`Link`], where
+//! output and the exit go), each connection's request loop, the loss of
+//! the daemon (the VM goes on unsupervised, its gate open) and the control
+//! socket's accept loop, where a later daemon re-adopts the process.
+
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use super::VmProcess;
+use crate::util::lock;
+use crate::vmproc::proto::{FromVm, Response, ToVm};
+use crate::vmproc::wire;
+
+/// The daemon connection of a VM process: the current one (the inherited
+/// socket, or one a re-adopting daemon opened), if any.
+pub(super) struct Link {
+    pub(super) conn: Mutex<Option<Arc<OwnedFd>>>,
+    /// Console bytes sent so far on the current connection.
+    pub(super) console_next: AtomicU64,
+}
+
+impl Link {
+    pub(super) fn send(&self, msg: &FromVm) {
+        let c = lock(&self.conn).clone();
+        if let Some(c) = c
+            && wire::send(&*c, msg, &[]).is_err()
+        {
+            // The daemon is gone; a later one reconnects (or never does).
+            let mut g = lock(&self.conn);
+            if g.as_ref().is_some_and(|x| Arc::ptr_eq(x, &c)) {
+                *g = None;
+            }
+        }
+    }
+}
+
+impl VmProcess {
+    /// Reads requests from one daemon connection until it closes.
+    pub(super) fn serve_connection(&self, sock: Arc<OwnedFd>) {
+        loop {
+            match wire::recv::<ToVm>(sock.as_fd()) {
+                Ok(Some((m, fds))) => {
+                    let (resp, fds) = self.answer(m.req, fds, &sock);
+                    if m.id != 0
+                        && let Err(e) = wire::send(&*sock, &FromVm::Reply { id: m.id, resp }, &fds)
+                    {
+                        tracing::warn!(vm = self.handle.name(), "reply: {e}");
+                        break;
+                    }
+                }
+                Ok(None) => break,
+                Err(e) => {
+                    tracing::warn!(vm = self.handle.name(), "bad request: {e}");
+                    let _ = wire::send(
+                        &*sock,
+                        &FromVm::Reply {
+                            id: 0,
+                            resp: Response::Error {
+                                message: e.to_string(),
+                                kind: Default::default(),
+                            },
+                        },
+                        &[],
+                    );
+                }
+            }
+        }
+        self.lost_daemon(&sock);
+    }
+
+    /// The daemon's connection closed: the daemon is gone. The VM keeps
+    /// running with its last limits; its shares are not enforced (the gate
+    /// opens) until a daemon re-adopts it.
+    fn lost_daemon(&self, sock: &Arc<OwnedFd>) {
+        {
+            let mut g = lock(&self.link.conn);
+            if g.as_ref().is_some_and(|x| Arc::ptr_eq(x, sock)) {
+                *g = None;
+            } else {
+                // Not the supervising connection (a status query, or a
+                // daemon that never adopted the process).
+                return;
+            }
+        }
+        self.supervised.store(false, Ordering::Relaxed);
+        // Nobody opens the shared word now: the vCPUs ignore it (and any
+        // that waits on it goes on) until a daemon re-adopts the process.
+        if let Some((g, _)) = &self.sched_gate {
+            g.release();
+        }
+        tracing::warn!(
+            vm = self.handle.name(),
+            "the daemon's connection closed; the VM keeps running unsupervised"
+        );
+        if !self.keeps_running_alone() {
+            self.handle.stop();
+        }
+    }
+
+    /// Whether the VM outlives its daemon (it listens for a new one).
+    fn keeps_running_alone(&self) -> bool {
+        self.control_socket.is_some()
+    }
+
+    /// Accepts daemons that re-adopt the VM on its control socket; each
+    /// connection is served on a thread of its own, and becomes the one
+    /// that output goes to once it sends `Adopt`.
+    pub(super) fn accept_loop(self: Arc<Self>, listener: OwnedFd) {
+        loop {
+            let c = match rustix::net::accept_with(&listener, rustix::net::SocketFlags::CLOEXEC) {
+                Ok(c) => Arc::new(c),
+                Err(rustix::io::Errno::INTR) => continue,
+                Err(e) => {
+                    tracing::warn!(vm = self.handle.name(), "control socket: {e}");
+                    return;
+                }
+            };
+            // A thread per connection; one that cannot be had now (the
+            // jail's RLIMIT_NPROC, while the threads of connections just
+            // closed are still ending) is retried for a while rather than
+            // dropping the daemon's connection unanswered.
+            let mut tries = 0;
+            loop {
+                let (vm, c) = (self.clone(), c.clone());
+                match std::thread::Builder::new()
+                    .name("control".into())
+                    .spawn(move || vm.serve_connection(c))
+                {
+                    Ok(_) => break,
+                    Err(e) if tries < 100 => {
+                        tries += 1;
+                        if tries == 1 {
+                            tracing::warn!(
+                                vm = self.handle.name(),
+                                "control thread: {e}; retrying"
+                            );
+                        }
+                        std::thread::sleep(Duration::from_millis(20));
+                    }
+                    Err(e) => {
+                        tracing::warn!(
+                            vm = self.handle.name(),
+                            "control thread: {e}; connection dropped"
+                        );
+                        break;
+                    }
+                }
+            }
+        }
+    }
+}
