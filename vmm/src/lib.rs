@@ -117,12 +117,30 @@ mod module_graph {
     fn one_vm_code_never_refers_to_the_daemon() {
         let more: [(&str, &str); 16] = [
             ("vmproc/server/mod.rs", include_str!("vmproc/server/mod.rs")),
-            ("vmproc/server/config.rs", include_str!("vmproc/server/config.rs")),
-            ("vmproc/server/requests.rs", include_str!("vmproc/server/requests.rs")),
-            ("vmproc/server/connection.rs", include_str!("vmproc/server/connection.rs")),
-            ("vmproc/server/console.rs", include_str!("vmproc/server/console.rs")),
-            ("vmproc/server/status.rs", include_str!("vmproc/server/status.rs")),
-            ("vmproc/server/exit.rs", include_str!("vmproc/server/exit.rs")),
+            (
+                "vmproc/server/config.rs",
+                include_str!("vmproc/server/config.rs"),
+            ),
+            (
+                "vmproc/server/requests.rs",
+                include_str!("vmproc/server/requests.rs"),
+            ),
+            (
+                "vmproc/server/connection.rs",
+                include_str!("vmproc/server/connection.rs"),
+            ),
+            (
+                "vmproc/server/console.rs",
+                include_str!("vmproc/server/console.rs"),
+            ),
+            (
+                "vmproc/server/status.rs",
+                include_str!("vmproc/server/status.rs"),
+            ),
+            (
+                "vmproc/server/exit.rs",
+                include_str!("vmproc/server/exit.rs"),
+            ),
             ("vmproc/proto.rs", include_str!("vmproc/proto.rs")),
             ("vmproc/wire.rs", include_str!("vmproc/wire.rs")),
             ("vmgate.rs", include_str!("vmgate.rs")),
