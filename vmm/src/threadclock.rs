@@ -7,8 +7,19 @@ use std::sync::{Arc, Mutex};
 use crate::util::lock;
 
 /// CPU time of thread `tid` in ns, through its per-thread CPU clock
-/// (guest time included: KVM_RUN runs on the thread).
+/// (guest time included: KVM_RUN runs on the thread); a thread of another
+/// process through its `schedstat`.
 pub fn thread_cpu_ns(tid: libc::pid_t) -> Option<u64> {
+    local_thread_cpu_ns(tid).or_else(|| other_process_thread_cpu_ns(tid))
+}
+
+/// CPU time of thread `tid` of this process in ns: one `clock_gettime` on
+/// its CPU clock, `None` if it is not a thread of this process (gone). The
+/// scheduler thread's reading for in-process VMs: unlike
+/// [`thread_cpu_ns`] it never falls back to opening `/proc/TID/schedstat`
+/// (a syscall more per tick for every thread of a stopping VM, and a tid
+/// the kernel may have given to another process since).
+pub fn local_thread_cpu_ns(tid: libc::pid_t) -> Option<u64> {
     // The kernel reads tid 0 as "the caller" (and !-1 is 0): a tid that is
     // not a real one reads nothing.
     if tid <= 0 {
@@ -26,10 +37,7 @@ pub fn thread_cpu_ns(tid: libc::pid_t) -> Option<u64> {
     // SAFETY: clock_gettime writes into the timespec we pass; an invalid
     // clock (thread gone) returns an error, nothing else.
     let r = unsafe { libc::clock_gettime(clock, &mut ts) };
-    if r == 0 {
-        return Some(ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64);
-    }
-    other_process_thread_cpu_ns(tid)
+    (r == 0).then(|| ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64)
 }
 
 /// CPU time of a thread of another process (a VM process), whose CPU clock
@@ -74,8 +82,18 @@ fn other_process_thread_cpu_ns(tid: libc::pid_t) -> Option<u64> {
         .ok()
 }
 
-/// CPU time of the calling thread, in ns.
+/// CPU time of the calling thread, in ns: one `clock_gettime`
+/// (`CLOCK_THREAD_CPUTIME_ID`; by tid it took a `gettid` syscall more, and
+/// the scheduler thread reads its own clock twice per tick).
 pub fn own_thread_cpu_ns() -> u64 {
-    // SAFETY: gettid has no preconditions.
-    thread_cpu_ns(unsafe { libc::gettid() }).unwrap_or(0)
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes into the timespec we pass.
+    let r = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    if r != 0 {
+        return 0;
+    }
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }

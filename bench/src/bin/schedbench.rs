@@ -8,10 +8,24 @@
 //! 1. the scheduler thread's own CPU use with 100 vCPUs (25 VMs × 4);
 //! 2. shares 3:1, 2 spinning vCPUs per VM, 10 s, gate and cgroup backends;
 //! 3. overhead: a fixed job alone, gate on versus off, 5 interleaved pairs.
+//!
+//! `schedbench cost-modes [ROUNDS]` (not in the default run): the
+//! scheduler thread's cost with 100 vCPUs through the daemon's manager,
+//! VMs as threads (`--vm-mode thread`) and as VM processes (`--vm-mode
+//! process`, unjailed: the jail does not change what the scheduler reads),
+//! interleaved thread, process, thread, ... (default 2 rounds, 10 s each;
+//! `CORRAL_SCHED_SECS` sets the window), with the clock reads per tick.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use corral_tests::vms::{Backend, Bench, Class, field};
+use corral_scheduler::ClassSpec;
+use corral_tests::vms::{Backend, Bench, Class, field, probe_elf};
+use corral_vmm::cpusched::CpuScheduler;
+use corral_vmm::manager::{
+    ClassConfig, CpuBackend, Limits, Manager, ManagerConfig, VmProcesses, VmRequest,
+};
+use corral_vmm::vmproc::launcher::Launcher;
 
 fn spin(s: u64) -> String {
     format!("probe.mode=spin probe.secs={s} probe.interval_ms=1000")
@@ -25,9 +39,94 @@ fn cls(shares: u32) -> Class {
     }
 }
 
+/// The scheduler thread's CPU over `window`: (% of one CPU, µs per tick,
+/// ticks, clock reads per tick).
+fn self_cost(cpu: &CpuScheduler, window: Duration) -> (f64, f64, u64, f64) {
+    let (t0, c0) = cpu.self_usage();
+    let r0 = cpu.work().clock_reads;
+    let w0 = Instant::now();
+    std::thread::sleep(window);
+    let (t1, c1) = cpu.self_usage();
+    let r1 = cpu.work().clock_reads;
+    let ticks = (t1 - t0).max(1);
+    (
+        (c1 - c0) as f64 * 100.0 / w0.elapsed().as_nanos() as f64,
+        (c1 - c0) as f64 / 1000.0 / ticks as f64,
+        ticks,
+        (r1 - r0) as f64 / ticks as f64,
+    )
+}
+
+/// 25 spinning 4-vCPU probe VMs (classes a:b = 2:1) through the daemon's
+/// manager, as threads or as VM processes; the scheduler thread's cost.
+fn cost_through_manager(processes: bool, window: Duration) -> (f64, f64, u64, f64) {
+    let class = |shares| ClassConfig {
+        cpu: ClassSpec::new(shares),
+        io: Limits::default(),
+    };
+    let vm_processes = processes.then(|| VmProcesses {
+        launcher: Launcher::start(&corral_tests::corral_bin()).expect("start the VM launcher"),
+        seccomp: false,
+        keep_running: false,
+        jail: None,
+        pid_namespace: false,
+    });
+    let mgr = Arc::new(
+        Manager::new(ManagerConfig {
+            builtin_kernel: Some(probe_elf()),
+            cpu_backend: CpuBackend::Gate,
+            initial_classes: vec![
+                ("default".into(), ClassConfig::default()),
+                ("a".into(), class(2)),
+                ("b".into(), class(1)),
+            ],
+            vm_processes,
+            ..Default::default()
+        })
+        .expect("manager"),
+    );
+    for i in 0..25 {
+        mgr.create_vm(VmRequest {
+            name: Some(format!("cost{i}")),
+            class: if i % 2 == 0 { "a" } else { "b" }.into(),
+            vcpus: 4,
+            memory_mib: 16,
+            cmdline: Some(spin(60)),
+            ..Default::default()
+        })
+        .expect("create VM");
+    }
+    std::thread::sleep(Duration::from_secs(1));
+    let r = self_cost(mgr.cpu_scheduler(), window);
+    mgr.shutdown();
+    r
+}
+
 fn main() {
     let part = std::env::args().nth(1).unwrap_or_default();
     let want = |p: &str| part.is_empty() || part == p;
+    if part == "cost-modes" {
+        let rounds: u32 = std::env::args()
+            .nth(2)
+            .and_then(|r| r.parse().ok())
+            .unwrap_or(2);
+        let secs = std::env::var("CORRAL_SCHED_SECS")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(10);
+        for round in 1..=rounds {
+            for processes in [false, true] {
+                let (pct, us, ticks, reads) =
+                    cost_through_manager(processes, Duration::from_secs(secs));
+                println!(
+                    "round {round}: scheduler thread, 100 vCPUs (25 VMs x 4), {} mode, {secs} s: \
+                     {pct:.3} % of one CPU, {ticks} ticks, {us:.1} us per tick, {reads:.2} clock reads per tick",
+                    if processes { "process" } else { "thread" }
+                );
+            }
+        }
+        return;
+    }
     // 1. Scheduler thread cost.
     if want("cost") {
         let mut b = Bench::new(Backend::Gate);
@@ -37,15 +136,9 @@ fn main() {
             b.launch(if i % 2 == 0 { "a" } else { "b" }, 4, 16, &spin(30));
         }
         std::thread::sleep(Duration::from_secs(1));
-        let (t0, c0) = b.cpu().self_usage();
-        let w0 = Instant::now();
-        std::thread::sleep(Duration::from_secs(10));
-        let (t1, c1) = b.cpu().self_usage();
-        let pct = (c1 - c0) as f64 * 100.0 / w0.elapsed().as_nanos() as f64;
+        let (pct, us, ticks, reads) = self_cost(b.cpu(), Duration::from_secs(10));
         println!(
-            "scheduler thread, 100 vCPUs (25 VMs x 4), 10 s: {pct:.3} % of one CPU, {} ticks, {:.1} us per tick",
-            t1 - t0,
-            (c1 - c0) as f64 / 1000.0 / (t1 - t0).max(1) as f64
+            "scheduler thread, 100 vCPUs (25 VMs x 4), 10 s: {pct:.3} % of one CPU, {ticks} ticks, {us:.1} us per tick, {reads:.2} clock reads per tick"
         );
     }
     // 2. Shares 3:1.

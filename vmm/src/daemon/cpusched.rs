@@ -2,7 +2,6 @@
 //! each vCPU thread's CPU clock, feeds the usage to the pure policy of
 //! `corral-scheduler`, and parks or unparks VMs through their gates.
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -14,32 +13,14 @@ use corral_scheduler::{Gate, Scheduler, VmId};
 
 use crate::daemon::hostload::{HostStat, StatReader};
 use proc_source::ProcSource;
+use thread_source::{IDLE_EXTRA_READ_TICKS, ThreadSource};
 
 #[path = "cpusched_proc.rs"]
 mod proc_source;
+#[path = "cpusched_threads.rs"]
+mod thread_source;
 
 pub use crate::threadclock::{own_thread_cpu_ns, thread_cpu_ns};
-
-/// Reads the clocks of a VM's extra (device) threads; returns their sum
-/// (using the last reading of a thread that is gone) and how many of them
-/// ran at least 1/[`BUSY_FRACTION`] of a tick within the last
-/// [`RUNNABLE_MEMORY_TICKS`] ticks.
-fn sample_extra(v: &mut Tracked, tick_ns: u64) -> (u64, u32) {
-    let mut busy = 0;
-    for ((t, last), idle) in v
-        .extra
-        .iter()
-        .zip(v.extra_last.iter_mut())
-        .zip(v.extra_idle.iter_mut())
-    {
-        let prev = *last;
-        if let Some(ns) = thread_cpu_ns(*t) {
-            *last = prev.max(ns);
-        }
-        busy += u32::from(note_run(idle, *last - prev, tick_ns));
-    }
-    (v.extra_last.iter().sum(), busy)
-}
 
 /// Updates a thread's count of ticks since it last ran, given the CPU time
 /// `ran_ns` it used in this tick; true if it counts as runnable (it ran at
@@ -54,30 +35,42 @@ fn note_run(idle: &mut u8, ran_ns: u64, tick_ns: u64) -> bool {
     *idle < RUNNABLE_MEMORY_TICKS
 }
 
+/// What one sample of a VM gives the policy.
+struct Sample {
+    /// The VM's CPU time so far, ns.
+    total: u64,
+    /// vCPUs that count as runnable; `None`: not read (parked and
+    /// settled), the last count holds.
+    busy: Option<u32>,
+    /// Busy threads besides the vCPUs (its device thread).
+    helpers: u32,
+}
+
+/// Where a VM's CPU time comes from.
+enum Source {
+    /// Threads of this process: their CPU clocks.
+    Threads(ThreadSource),
+    /// A VM in its own process: its process clock and its gate's page.
+    Process(ProcSource),
+}
+
 struct Tracked {
+    id: VmId,
     gate: Arc<Gate>,
-    tids: Vec<libc::pid_t>,
-    last: Vec<u64>,
     /// Per vCPU: ticks since it last ran (saturating).
     idle_ticks: Vec<u8>,
     runnable: u32,
-    /// Sum of the vCPU clocks at the last sample.
-    total: u64,
-    /// Threads that work for the VM but are not parked (its device
-    /// thread): their CPU time counts as the VM's usage.
-    extra: Vec<libc::pid_t>,
-    /// Their clocks at the last sample (kept when a thread is gone, so the
-    /// VM's total never goes backwards).
-    extra_last: Vec<u64>,
-    /// Per extra thread: ticks since it last ran (saturating).
-    extra_idle: Vec<u8>,
     /// Parked, and sampled after every vCPU was blocked on the gate.
     settled: bool,
     /// The VM's total (vCPUs + extra threads) last reported, ns.
     reported: u64,
-    /// A VM in its own process: sampled through its process clock and its
-    /// gate's page instead of `tids` and `extra`.
-    process: Option<ProcSource>,
+    source: Source,
+    /// Position of the VM's decision in the policy's last output (the
+    /// policy's order, which `Inner::vms` follows: usages in that order
+    /// spare the policy a lookup per VM, decisions are found without one).
+    slot: usize,
+    /// The decision in force (`None`: the policy does not know the VM).
+    run: Option<bool>,
 }
 
 /// Host idle, steal and busy time are read from /proc/stat every this many
@@ -90,8 +83,23 @@ const BUSY_FRACTION: u64 = 100;
 /// contended host a runnable thread may get no CPU in a given tick.
 const RUNNABLE_MEMORY_TICKS: u8 = 3;
 
+/// What the scheduler thread's ticks did so far (cumulative), for tests
+/// and benchmarks that hold its per-tick work down: deterministic counts,
+/// where its CPU time depends on the host.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TickWork {
+    /// Ticks.
+    pub ticks: u64,
+    /// CPU-time readings, one syscall each: thread clocks, process clocks,
+    /// `schedstat` reads of a VM process's vCPU threads.
+    pub clock_reads: u64,
+    /// Reads of `/proc/stat`.
+    pub stat_reads: u64,
+}
+
 struct Inner {
-    vms: HashMap<VmId, Tracked>,
+    /// In the policy's order (see [`Tracked::slot`]).
+    vms: Vec<Tracked>,
     usages: Vec<VmUsage>,
     /// CPU time the scheduler thread itself used, ns.
     self_cpu_ns: u64,
@@ -111,6 +119,7 @@ struct Inner {
     measured_idle: Option<f64>,
     tick_count: u64,
     ticks: u64,
+    work: TickWork,
 }
 
 /// The scheduler service: policy state plus the tick thread.
@@ -136,7 +145,7 @@ impl CpuScheduler {
         Arc::new(Self {
             sched,
             inner: Mutex::new(Inner {
-                vms: HashMap::new(),
+                vms: Vec::new(),
                 usages: Vec::new(),
                 self_cpu_ns: 0,
                 ticks: 0,
@@ -148,6 +157,7 @@ impl CpuScheduler {
                 last_tick_ns: 0,
                 measured_idle: None,
                 tick_count: 0,
+                work: TickWork::default(),
             }),
             stop: AtomicBool::new(false),
             thread: Mutex::new(None),
@@ -181,7 +191,7 @@ impl CpuScheduler {
         if let Some(t) = lock(&self.thread).take() {
             let _ = t.join();
         }
-        for v in lock(&self.inner).vms.values() {
+        for v in &lock(&self.inner).vms {
             v.gate.unpark();
         }
     }
@@ -197,40 +207,10 @@ impl CpuScheduler {
         tids: Vec<libc::pid_t>,
         extra: Vec<libc::pid_t>,
     ) {
-        let extra_last: Vec<u64> = extra
-            .iter()
-            .map(|t| thread_cpu_ns(*t).unwrap_or(0))
-            .collect();
-        let last: Vec<u64> = tids
-            .iter()
-            .map(|t| thread_cpu_ns(*t).unwrap_or(0))
-            .collect();
-        let reported = last.iter().chain(&extra_last).sum();
-        let runnable = tids.len() as u32;
-        let idle_ticks = vec![0; tids.len()];
-        let mut inner = lock(&self.inner);
-        // Under the lock, so no tick runs between the sync and the insert:
-        // a decision taken before the VM was attached holds from now on.
-        if let Some(parked) = lock(&self.sched).is_parked(id) {
-            enforce(&gate, !parked);
-        }
-        inner.vms.insert(
-            id,
-            Tracked {
-                gate,
-                tids,
-                last,
-                idle_ticks,
-                runnable,
-                total: 0,
-                extra_idle: vec![RUNNABLE_MEMORY_TICKS; extra.len()],
-                extra,
-                extra_last,
-                settled: false,
-                reported,
-                process: None,
-            },
-        );
+        let vcpus = tids.len();
+        let source = ThreadSource::new(tids, extra);
+        let reported = source.start_total();
+        self.insert(id, gate, vcpus, reported, Source::Threads(source));
     }
 
     /// Starts enforcing for VM `id` (already added to the model) that runs
@@ -253,34 +233,50 @@ impl CpuScheduler {
     ) {
         let source = ProcSource::new(pid, tids, &gate, vcpus, self.now_ns());
         let reported = source.start_total();
+        self.insert(id, gate, vcpus, reported, Source::Process(source));
+    }
+
+    fn insert(&self, id: VmId, gate: Arc<Gate>, vcpus: usize, reported: u64, source: Source) {
         let mut inner = lock(&self.inner);
-        if let Some(parked) = lock(&self.sched).is_parked(id) {
+        // Under the lock, so no tick runs between the sync and the insert:
+        // a decision taken before the VM was attached holds from now on.
+        let parked = lock(&self.sched).is_parked(id);
+        if let Some(parked) = parked {
             enforce(&gate, !parked);
         }
-        inner.vms.insert(
+        let v = Tracked {
             id,
-            Tracked {
-                gate,
-                tids: Vec::new(),
-                last: Vec::new(),
-                idle_ticks: vec![0; vcpus],
-                runnable: vcpus as u32,
-                total: 0,
-                extra: Vec::new(),
-                extra_last: Vec::new(),
-                extra_idle: Vec::new(),
-                settled: false,
-                reported,
-                process: Some(source),
-            },
-        );
+            gate,
+            idle_ticks: vec![0; vcpus],
+            runnable: vcpus as u32,
+            settled: false,
+            reported,
+            source,
+            // Found (and the list put in order) at the next tick.
+            slot: usize::MAX,
+            run: parked.map(|p| !p),
+        };
+        match inner.vms.iter_mut().find(|t| t.id == id) {
+            Some(t) => *t = v,
+            None => inner.vms.push(v),
+        }
     }
 
     /// Stops enforcing for VM `id` and unparks it.
     pub fn detach(&self, id: VmId) {
-        if let Some(v) = lock(&self.inner).vms.remove(&id) {
+        let v = {
+            let mut inner = lock(&self.inner);
+            let i = inner.vms.iter().position(|t| t.id == id);
+            i.map(|i| inner.vms.remove(i))
+        };
+        if let Some(v) = v {
             v.gate.unpark();
         }
+    }
+
+    /// The per-tick work done so far; see [`TickWork`].
+    pub fn work(&self) -> TickWork {
+        lock(&self.inner).work
     }
 
     /// (ticks done, CPU time the scheduler thread used in ns).
@@ -323,90 +319,66 @@ impl CpuScheduler {
     }
 
     /// One tick: sample, decide, enforce. Public for tests.
+    ///
+    /// Per tick and VM: one clock read per vCPU (none while the VM is
+    /// parked and settled), its device thread's only while busy or every
+    /// [`IDLE_EXTRA_READ_TICKS`]th tick; a VM process: one process clock
+    /// (plus its vCPUs' `schedstat` while it runs). No allocation in steady
+    /// state, and the policy's lock is not held across a syscall: kicks and
+    /// futex wakes run after it is released (this thread's own state stays
+    /// locked, so an `attach` still cannot fall between decision and
+    /// enforcement).
     pub fn tick(&self, tick_ns: u64) {
         let now = self.now_ns();
         let mut g = lock(&self.inner);
         let inner = &mut *g;
         inner.usages.clear();
-        for (id, v) in inner.vms.iter_mut() {
+        inner.tick_count += 1;
+        inner.work.ticks += 1;
+        let tick_no = inner.tick_count;
+        for v in inner.vms.iter_mut() {
             let parked = v.gate.is_parked();
-            if let Some(p) = v.process.as_mut() {
-                if !parked {
-                    v.settled = false;
-                }
-                let settled = parked && v.settled;
-                if parked && v.gate.waiting() >= v.idle_ticks.len() as u64 {
-                    v.settled = true;
-                }
-                let s = p.sample(&v.gate, now, tick_ns, &mut v.idle_ticks, settled);
-                inner.vms_since_sample_ns += v.report(s.total);
-                let runnable = match s.busy {
-                    _ if parked => v.runnable.max(1),
-                    Some(b) => b,
-                    None => v.runnable,
-                };
-                v.runnable = runnable;
-                inner.usages.push(
-                    VmUsage::total(*id, s.total, runnable > 0)
-                        .with_runnable_vcpus(runnable)
-                        .with_busy_helpers(s.helpers),
-                );
-                continue;
-            }
             if !parked {
                 v.settled = false;
             }
-            if parked && v.settled {
-                // Every vCPU is blocked on the gate (the kick has landed and
-                // they have been sampled since): off the CPU for sure, so
-                // their clocks cannot have moved. Skipping them keeps the
-                // scheduler cheap with many parked VMs; the device thread
-                // may still be serving I/O, so it is read.
-                let (extra, helpers) = sample_extra(v, tick_ns);
-                inner.vms_since_sample_ns += v.report(v.total + extra);
-                inner.usages.push(
-                    VmUsage::total(*id, v.total + extra, v.runnable > 0)
-                        .with_runnable_vcpus(v.runnable)
-                        .with_busy_helpers(helpers),
-                );
-                continue;
-            }
+            let settled = parked && v.settled;
             // All vCPUs blocked on the gate before we read their clocks:
-            // these readings are final until the VM is unparked.
-            if parked && v.gate.waiting() >= v.tids.len() as u64 {
+            // these readings are final until the VM is unparked. (Every
+            // vCPU is off the CPU for sure once the kick has landed, so
+            // skipping their clocks keeps the scheduler cheap with many
+            // parked VMs; the device thread may still serve I/O.)
+            if parked && v.gate.waiting() >= v.idle_ticks.len() as u64 {
                 v.settled = true;
             }
-            let mut total = 0u64;
-            let mut busy = 0u32;
-            for (i, tid) in v.tids.iter().enumerate() {
-                let Some(ns) = thread_cpu_ns(*tid) else {
-                    continue; // thread gone: the VM is stopping
-                };
-                let prev = v.last.get(i).copied().unwrap_or(ns);
-                if let Some(idle) = v.idle_ticks.get_mut(i) {
-                    busy += u32::from(note_run(idle, ns.saturating_sub(prev), tick_ns));
+            let reads = &mut inner.work.clock_reads;
+            let s = match &mut v.source {
+                Source::Process(p) => {
+                    p.sample(&v.gate, now, tick_ns, &mut v.idle_ticks, settled, reads)
                 }
-                if let Some(l) = v.last.get_mut(i) {
-                    *l = ns;
+                Source::Threads(t) => {
+                    // Idle device threads are read in turn, a quarter of
+                    // the VMs at each tick.
+                    let due = tick_no.wrapping_add(v.slot as u64) % IDLE_EXTRA_READ_TICKS == 0;
+                    t.sample(tick_ns, &mut v.idle_ticks, settled, due, reads)
                 }
-                total += ns;
-            }
-            v.total = total;
-            let (extra, helpers) = sample_extra(v, tick_ns);
-            let total = total + extra;
-            inner.vms_since_sample_ns += v.report(total);
+            };
+            inner.vms_since_sample_ns += v.report(s.total);
             // A parked VM's vCPUs wait on the gate: they still want CPU as
             // much as when they were parked.
-            let runnable = if parked { v.runnable.max(1) } else { busy };
+            let runnable = match s.busy {
+                _ if parked => v.runnable.max(1),
+                Some(b) => b,
+                None => v.runnable,
+            };
             v.runnable = runnable;
             inner.usages.push(
-                VmUsage::total(*id, total, runnable > 0)
+                VmUsage::total(v.id, s.total, runnable > 0)
                     .with_runnable_vcpus(runnable)
-                    .with_busy_helpers(helpers),
+                    .with_busy_helpers(s.helpers),
             );
         }
-        inner.tick_count += 1;
-        let outside = if inner.tick_count % IDLE_SAMPLE_TICKS == 1 || inner.last_stat.is_none() {
+        let outside = if tick_no % IDLE_SAMPLE_TICKS == 1 || inner.last_stat.is_none() {
+            inner.work.stat_reads += 1;
             self.sample_host(inner, now)
         } else {
             None
@@ -426,9 +398,30 @@ impl CpuScheduler {
         // milliseconds between `add_vm` and `attach`) would otherwise be
         // lost for good: the policy emits a change only once, and a capped
         // VM ran uncapped for a whole test with `parked = true`.
-        for d in out.vms() {
-            if let Some(v) = inner.vms.get(&d.vm) {
-                enforce(&v.gate, d.should_run);
+        let decisions = out.vms();
+        let mut in_order = true;
+        let mut prev = 0;
+        for v in inner.vms.iter_mut() {
+            let d = match decisions.get(v.slot) {
+                Some(d) if d.vm == v.id => Some(d),
+                // Attached, moved or removed since the last tick: one
+                // search (then the slot holds until the model changes).
+                _ => decisions.iter().position(|d| d.vm == v.id).map(|i| {
+                    v.slot = i;
+                    &decisions[i]
+                }),
+            };
+            v.run = d.map(|d| d.should_run);
+            in_order &= v.slot >= prev;
+            prev = v.slot;
+        }
+        drop(sched);
+        if !in_order {
+            inner.vms.sort_unstable_by_key(|v| v.slot);
+        }
+        for v in &inner.vms {
+            if let Some(run) = v.run {
+                enforce(&v.gate, run);
             }
         }
     }

@@ -19,7 +19,7 @@
 
 use corral_scheduler::{CpuClamp, Gate};
 
-use super::{BUSY_FRACTION, note_run};
+use super::{BUSY_FRACTION, Sample, note_run};
 use crate::vmgate::{ThreadRunTime, process_cpu_ns};
 
 /// A publication older than this many ticks is not used: the runnable
@@ -41,13 +41,6 @@ pub(super) struct ProcSource {
     stale: u8,
     /// The process total at the last sample.
     total: u64,
-}
-
-/// What one sample of a VM process gives the policy.
-pub(super) struct ProcSample {
-    pub(super) total: u64,
-    pub(super) busy: Option<u32>,
-    pub(super) helpers: u32,
 }
 
 impl ProcSource {
@@ -90,7 +83,8 @@ impl ProcSource {
     /// Reads the process clock, then the vCPU clocks (unless `settled`:
     /// parked and every vCPU seen on the gate) or the page; updates each
     /// vCPU's idle count in `idle` (one entry per vCPU). `busy` is `None`
-    /// when settled (the caller keeps its count).
+    /// when settled (the caller keeps its count). Adds the clock reads it
+    /// made (the process clock, `schedstat` reads) to `reads`.
     pub(super) fn sample(
         &mut self,
         gate: &Gate,
@@ -98,7 +92,9 @@ impl ProcSource {
         tick_ns: u64,
         idle: &mut [u8],
         settled: bool,
-    ) -> ProcSample {
+        reads: &mut u64,
+    ) -> Sample {
+        *reads += 1;
         let total = process_cpu_ns(self.pid)
             .unwrap_or(self.total)
             .max(self.total);
@@ -121,7 +117,7 @@ impl ProcSource {
         let mut busy = 0;
         let mut vcpus_used = 0u64;
         if settled {
-            return ProcSample {
+            return Sample {
                 total,
                 busy: None,
                 helpers: u32::from(used.saturating_mul(BUSY_FRACTION) >= tick_ns),
@@ -140,6 +136,7 @@ impl ProcSource {
                 .zip(&mut self.tid_last)
                 .zip(idle.iter_mut())
             {
+                *reads += 1;
                 let Some(ns) = t.read_ns() else {
                     continue; // thread gone: the VM is stopping
                 };
@@ -173,7 +170,7 @@ impl ProcSource {
                 .saturating_mul(BUSY_FRACTION)
                 >= tick_ns,
         );
-        ProcSample {
+        Sample {
             total,
             busy: Some(busy),
             helpers,

@@ -2,7 +2,7 @@
 //! of the CPUs the daemon may use (its affinity mask), for the scheduler
 //! thread's measurement of the load that is not corral's.
 
-use std::io::Read;
+use std::os::unix::fs::FileExt;
 
 /// Cumulative times of the daemon's CPUs, ns.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -23,6 +23,10 @@ pub struct StatReader {
     cpus: Vec<bool>,
     ns_per_tick: u64,
     buf: Vec<u8>,
+    /// `/proc/stat`, kept open: a sample is one `pread` at offset 0 (the
+    /// kernel makes the text anew), where open, read and close were three
+    /// syscalls and a path walk.
+    file: Option<std::fs::File>,
 }
 
 impl StatReader {
@@ -46,22 +50,40 @@ impl StatReader {
         }
         // SAFETY: sysconf has no preconditions.
         let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
+        // The cpu lines come first (~100 bytes each); the rest (interrupt
+        // counts) can be long and is not needed.
+        let want = (128 * (cpus.len() + 2)).max(4096);
         StatReader {
             cpus,
             ns_per_tick: 1_000_000_000 / hz,
-            buf: Vec::with_capacity(4096),
+            buf: vec![0; want],
+            file: std::fs::File::open("/proc/stat").ok(),
         }
     }
 
     /// The current times, or `None` if `/proc/stat` cannot be read.
     pub fn read(&mut self) -> Option<HostStat> {
-        let f = std::fs::File::open("/proc/stat").ok()?;
-        self.buf.clear();
-        // The cpu lines come first (~100 bytes each); the rest (interrupt
-        // counts) can be long and is not needed.
-        let want = 128 * (self.cpus.len() as u64 + 2);
-        f.take(want.max(4096)).read_to_end(&mut self.buf).ok()?;
-        let text = std::str::from_utf8(&self.buf).ok()?;
+        if self.file.is_none() {
+            self.file = std::fs::File::open("/proc/stat").ok();
+        }
+        let f = self.file.as_ref()?;
+        let mut n = 0;
+        while n < self.buf.len() {
+            match f.read_at(self.buf.get_mut(n..)?, n as u64) {
+                Ok(0) => break,
+                Ok(k) => n += k,
+                Err(_) => {
+                    self.file = None; // opened again next time
+                    return None;
+                }
+            }
+        }
+        let text = match std::str::from_utf8(self.buf.get(..n)?) {
+            Ok(t) => t,
+            // Cut inside a multi-byte character (there are none in
+            // /proc/stat): the valid part.
+            Err(e) => std::str::from_utf8(self.buf.get(..e.valid_up_to())?).ok()?,
+        };
         let cpus = &self.cpus;
         parse(
             text,
@@ -134,5 +156,11 @@ mod tests {
         let mut r = StatReader::for_affinity();
         let a = r.read().expect("/proc/stat");
         assert!(a.busy_ns + a.idle_ns > 0);
+        // Read again through the same open file: fresh figures, never
+        // going backwards.
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        let b = r.read().expect("/proc/stat, read again");
+        assert!(b.busy_ns + b.idle_ns + b.steal_ns > a.busy_ns + a.idle_ns + a.steal_ns);
+        assert!(b.busy_ns >= a.busy_ns && b.idle_ns >= a.idle_ns);
     }
 }
