@@ -358,7 +358,9 @@ impl CpuScheduler {
                 Source::Threads(t) => {
                     // Idle device threads are read in turn, a quarter of
                     // the VMs at each tick.
-                    let due = tick_no.wrapping_add(v.slot as u64) % IDLE_EXTRA_READ_TICKS == 0;
+                    let due = tick_no
+                        .wrapping_add(v.slot as u64)
+                        .is_multiple_of(IDLE_EXTRA_READ_TICKS);
                     t.sample(tick_ns, &mut v.idle_ticks, settled, due, reads)
                 }
             };

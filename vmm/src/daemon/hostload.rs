@@ -69,8 +69,15 @@ impl StatReader {
         let f = self.file.as_ref()?;
         let mut n = 0;
         while n < self.buf.len() {
+            let want = self.buf.len() - n;
             match f.read_at(self.buf.get_mut(n..)?, n as u64) {
                 Ok(0) => break,
+                // The kernel makes the whole text at the first read and
+                // copies what fits: a short read is the end (one syscall).
+                Ok(k) if k < want => {
+                    n += k;
+                    break;
+                }
                 Ok(k) => n += k,
                 Err(_) => {
                     self.file = None; // opened again next time
