@@ -112,6 +112,8 @@ const char *cmdline_parse(void)
 	params.blk_timeout_ms = 10000;
 	params.blk_irq = true;
 	params.blk_spin_us = 50;
+	params.blk_random = false;
+	params.blk_span = 0;
 	set_str(params.evil_case, sizeof(params.evil_case), "read", 4);
 	n_vmmio = 0;
 
@@ -183,6 +185,12 @@ const char *cmdline_parse(void)
 			params.blk_irq = str_eq_n(v, vl, "irq");
 		} else if (str_eq_n(tok, kl, "probe.spin_us")) {
 			ok = num_param(v, vl, 0, 1000000, &params.blk_spin_us);
+		} else if (str_eq_n(tok, kl, "probe.pattern")) {
+			ok = str_eq_n(v, vl, "seq") || str_eq_n(v, vl, "random");
+			params.blk_random = str_eq_n(v, vl, "random");
+		} else if (str_eq_n(tok, kl, "probe.span")) {
+			ok = size_param(v, vl, 512, 1UL << 50, &params.blk_span) &&
+			     !(params.blk_span & 511);
 		} else if (str_eq_n(tok, kl, "probe.case")) {
 			ok = vl > 0 && vl < sizeof(params.evil_case);
 			if (ok)

@@ -3,7 +3,9 @@
  * virtio_mmio.device= entries (see virtio_blk.c for the driver).
  *
  * op=read|write: probe.size bytes from probe.offset in probe.bs requests,
- * probe.qd in flight; op=verify: write a seed- and sector-dependent pattern,
+ * probe.qd in flight; with probe.pattern=random each request goes to a
+ * bs-aligned offset drawn from probe.seed within probe.span bytes from
+ * probe.offset (default: to the end of the disk); op=verify: write a seed- and sector-dependent pattern,
  * (flush,) read it back and compare; op=flush; op=getid. Runs on the BSP
  * only; the APs halt. Everything happens in report(), after the CPUs are up.
  */
@@ -94,30 +96,52 @@ static const char *do_io(const struct vblk_dev *d, u32 disk)
 			d->capacity);
 		return "range";
 	}
+	bool rnd = params.blk_random;
+	u64 span = rnd && params.blk_span ? params.blk_span : cap_bytes - off;
+	if (span > cap_bytes - off) {
+		kprintf("PROBE-ERROR blk disk=%u span-past-end offset=%lu span=%lu capacity=%lu\n",
+			disk, off, span, d->capacity);
+		return "range";
+	}
 	if (!size) {
-		size = cap_bytes - off;
+		size = span;
 		if (size > DEFAULT_SIZE_CAP)
 			size = DEFAULT_SIZE_CAP;
 	}
-	if (size > cap_bytes - off) {
+	/* Random requests stay inside the span however many there are. */
+	if (!rnd && size > cap_bytes - off) {
 		kprintf("PROBE-ERROR blk disk=%u range-past-end offset=%lu size=%lu capacity=%lu\n",
 			disk, off, size, d->capacity);
 		return "range";
 	}
 	u32 bs = (u32)params.blk_bs, qd = (u32)params.blk_qd;
+	u64 slots = span / bs, nreq = (size + bs - 1) / bs;
+	if (rnd && slots == 0) {
+		kprintf("PROBE-ERROR blk disk=%u span-below-bs span=%lu bs=%u\n", disk, span, bs);
+		return "bad-param";
+	}
 	if (3 * qd > d->qsize) {
-		kprintf("PROBE-ERROR blk disk=%u qd-too-deep qd=%u qsize=%u\n", disk, qd, d->qsize);
+		/* three descriptors per request in flight */
+		kprintf("PROBE-ERROR blk disk=%u qd-too-deep qd=%u qsize=%u max_qd=%u\n", disk, qd,
+			d->qsize, d->qsize / 3u);
 		return "bad-param";
 	}
 	u64 buf = BUF_BASE;
 	u64 img = ((u64)__image_end + 0x1fffff) & ~0x1fffffUL;
 	if (img > buf)
 		buf = img;
-	u64 need = (u64)qd * bs;
+	/* random: the table of first sectors, one per request, after the buffers */
+	u64 need = (u64)qd * bs + (rnd ? nreq * sizeof(u64) : 0);
 	if (!ram_range_ok(buf, need) || buf + need > (1UL << 32)) {
 		kprintf("PROBE-ERROR blk no-memory buffers=%lu@0x%lx mem_kib=%lu\n", need, buf,
 			usable_kib);
 		return "no-memory";
+	}
+
+	u64 *sectors = NULL;
+	if (rnd) {
+		sectors = (u64 *)(buf + (u64)qd * bs);
+		vblk_random_sectors(sectors, nreq, params.blk_seed, off >> 9, slots, bs >> 9);
 	}
 
 	struct vblk_job job = {
@@ -126,6 +150,7 @@ static const char *do_io(const struct vblk_dev *d, u32 disk)
 		.bs = bs,
 		.qd = qd,
 		.buf = buf,
+		.sectors = sectors,
 		.timeout_ms = params.blk_timeout_ms,
 	};
 	struct vblk_stats st, wst;
@@ -193,10 +218,12 @@ static const char *do_io(const struct vblk_dev *d, u32 disk)
 	console_lock();
 	kprintf_unlocked("PROBE-RESULT mode=blk disk=%u op=%s requests=%lu errors=%lu bytes=%lu "
 			 "us=%lu capacity=%lu bs=%u qd=%u notifies=%lu skipped=%lu wait=%s sleeps=%lu "
-			 "irqs=%lu timer_wakes=%lu",
+			 "irqs=%lu timer_wakes=%lu pattern=%s",
 			 disk, op, st.requests, st.errors, st.bytes, cyc_us(st.cycles), d->capacity,
 			 bs, qd, vblk_notifies, vblk_notifies_skipped, d->irq ? "irq" : "poll",
-			 irq_sleeps, irq_count, irq_timeouts);
+			 irq_sleeps, irq_count, irq_timeouts, rnd ? "random" : "seq");
+	if (rnd)
+		kprintf_unlocked(" span=%lu", span);
 	if (verify && strcmp(op, "verify") == 0)
 		kprintf_unlocked(" mismatches=%lu write_us=%lu read_us=%lu", st.mismatches, write_us,
 				 read_us);

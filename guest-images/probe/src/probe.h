@@ -120,6 +120,8 @@ struct probe_params {
 	u64 pwrbtn;        /* spin: power off when the ACPI power button is pressed */
 	bool blk_irq;      /* probe.wait=irq (default) | poll */
 	u64 blk_spin_us;   /* irq: poll this long before sleeping */
+	bool blk_random;   /* probe.pattern=random: offsets drawn from probe.seed */
+	u64 blk_span;      /* random: bytes from probe.offset the offsets fall in, 0 = to the end */
 };
 /* virtio_mmio.device=<size>@<base>:<irq>[:<id>] entries, in command-line order. */
 #define MAX_VMMIO 16
@@ -226,6 +228,7 @@ struct vblk_job {
 	u32 bs;        /* bytes per request, multiple of 512 */
 	u32 qd;        /* 1..VBLK_MAX_QD */
 	u64 buf;       /* qd * bs bytes of buffers */
+	const u64 *sectors; /* random: the first sector of each request, in order; NULL = sequential */
 	bool fill;     /* OUT: write the verify pattern into each buffer */
 	bool check;    /* IN: compare each completed buffer with the pattern */
 	u64 timeout_ms;/* give up after this long without a completion */
@@ -242,6 +245,10 @@ u32 vblk_device_status(const struct vblk_dev *d);
 u32 vblk_sync(const struct vblk_dev *d, u32 type, u64 sector, u64 buf, u32 len, bool dev_writes,
 	      u64 timeout_ms);
 void vblk_pattern_init(u64 seed);
+/* Random offsets: n first sectors, each off_sec + k * spr for a k < slots
+ * drawn from a splitmix64 stream seeded with seed ^ VBLK_OFFSET_SALT. */
+#define VBLK_OFFSET_SALT 0x6f66667365747321UL
+void vblk_random_sectors(u64 *out, u64 n, u64 seed, u64 off_sec, u64 slots, u64 spr);
 void vblk_run(const struct vblk_dev *d, const struct vblk_job *job, struct vblk_stats *st);
 extern u64 vblk_notifies, vblk_notifies_skipped;
 

@@ -431,42 +431,53 @@ static u64 pattern_check(const u64 *p, u64 sector, u32 nsec, u64 *first)
  * short), resubmitting its slot with the next sector. Stops at the first
  * completion that needs the general path (left unconsumed). While it runs,
  * aidx - uidx is constant (one submission per completion), so the avail
- * slot is (uidx + k) & mask. 19 instructions, 5 memory accesses per request.
+ * slot is (uidx + k) & mask. 19 instructions, 5 memory accesses per request
+ * (sequential: *sec is the next sector, step the sectors per request);
+ * random: *sec points into the table of sectors (step 8), one load and one
+ * instruction more.
  */
+#define FAST_PATH_ASM(SECTOR_STORE)                                                               \
+	"	cmpw	%w[ui], %w[u]\n"                                                          \
+	"	je	9f\n"                                                                     \
+	"1:	mov	%[u], %%eax\n"                                                            \
+	"	and	%[mask], %%eax\n"                                                         \
+	"	mov	%c[ring](,%%rax,8), %%eax\n" /* used->ring[].id */                        \
+	"	cmp	%[nh], %%eax\n"                                                           \
+	"	jae	9f\n"                                                                     \
+	"	cmpb	$0, %c[st](%%rax)\n"                                                      \
+	"	jne	9f\n"                                                                     \
+	"	test	%[nf], %[nf]\n"                                                           \
+	"	jz	9f\n"                                                                     \
+	"	dec	%[nf]\n"                                                                  \
+	"	movb	$0xff, %c[st](%%rax)\n" SECTOR_STORE "	add	%[step], %[s]\n"           \
+	"	lea	(%q[u],%[k]), %%edx\n"                                                    \
+	"	and	%[mask], %%edx\n"                                                         \
+	"	inc	%[u]\n"                                                                   \
+	"	mov	%%ax, %c[avail](%%rdx,%%rdx)\n"                                           \
+	"	cmpw	%w[ui], %w[u]\n"                                                          \
+	"	jne	1b\n"                                                                     \
+	"9:\n"
+#define SEQ_STORE "	mov	%[s], %c[sect](,%%rax,8)\n"
+#define RND_STORE "	mov	(%[s]), %%rcx\n	mov	%%rcx, %c[sect](,%%rax,8)\n"
+#define FAST_PATH_OPERANDS                                                                       \
+	: [u] "+r"(u), [nf] "+r"(nf), [s] "+r"(s)                                                 \
+	: [ui] "r"((u32)ui), [mask] "r"(mask), [nh] "r"(nh), [step] "r"(step), [k] "r"(k),        \
+	  [ring] "i"(&vq_used.ring[0].id), [st] "i"(&status[0]), [sect] "i"(&HDR_SECTOR(0)),      \
+	  [avail] "i"(&vq_avail.ring[0])                                                          \
+	: "rax", "rcx", "rdx", "memory", "cc"
+
 static inline __attribute__((always_inline)) void fast_path(u32 *uidx, u16 ui, u32 *aidx, u64 *sec,
-							    u64 *nleft, u32 mask, u32 nh, u64 spr)
+							    u64 *nleft, u32 mask, u32 nh, u64 step,
+							    const bool rnd)
 {
 	u32 u = *uidx, u0 = u;
 	u64 k = *aidx - u;
 	u64 nf = *nleft ? *nleft - 1 : 0; /* submissions allowed before the last one */
 	u64 s = *sec;
-	__asm__ volatile("	cmpw	%w[ui], %w[u]\n"
-			 "	je	9f\n"
-			 "1:	mov	%[u], %%eax\n"
-			 "	and	%[mask], %%eax\n"
-			 "	mov	%c[ring](,%%rax,8), %%eax\n" /* used->ring[].id */
-			 "	cmp	%[nh], %%eax\n"
-			 "	jae	9f\n"
-			 "	cmpb	$0, %c[st](%%rax)\n"
-			 "	jne	9f\n"
-			 "	test	%[nf], %[nf]\n"
-			 "	jz	9f\n"
-			 "	dec	%[nf]\n"
-			 "	movb	$0xff, %c[st](%%rax)\n"
-			 "	mov	%[s], %c[sect](,%%rax,8)\n"
-			 "	add	%[spr], %[s]\n"
-			 "	lea	(%q[u],%[k]), %%edx\n"
-			 "	and	%[mask], %%edx\n"
-			 "	inc	%[u]\n"
-			 "	mov	%%ax, %c[avail](%%rdx,%%rdx)\n"
-			 "	cmpw	%w[ui], %w[u]\n"
-			 "	jne	1b\n"
-			 "9:\n"
-			 : [u] "+r"(u), [nf] "+r"(nf), [s] "+r"(s)
-			 : [ui] "r"((u32)ui), [mask] "r"(mask), [nh] "r"(nh), [spr] "r"(spr),
-			   [k] "r"(k), [ring] "i"(&vq_used.ring[0].id), [st] "i"(&status[0]),
-			   [sect] "i"(&HDR_SECTOR(0)), [avail] "i"(&vq_avail.ring[0])
-			 : "rax", "rdx", "memory", "cc");
+	if (rnd)
+		__asm__ volatile(FAST_PATH_ASM(RND_STORE) FAST_PATH_OPERANDS);
+	else
+		__asm__ volatile(FAST_PATH_ASM(SEQ_STORE) FAST_PATH_OPERANDS);
 	u32 n = u - u0;
 	*uidx = u;
 	*aidx += n;
@@ -485,14 +496,17 @@ static inline __attribute__((always_inline)) void fast_path(u32 *uidx, u16 ui, u
  */
 static inline __attribute__((always_inline)) void
 run_loop(const struct vblk_dev *d, const struct vblk_job *job, struct vblk_stats *st,
-	 const bool fill, const bool check)
+	 const bool fill, const bool check, const bool rnd)
 {
 	const u32 mask = d->qsize - 1u;
 	const u64 bs = job->bs, spr = job->bs >> 9; /* sectors per request */
+	/* sec: the next sector (sequential), or a pointer to it in the table */
+	const u64 step = rnd ? sizeof(u64) : spr;
+#define SEC_VAL(x) (rnd ? *(const u64 *)(x) : (x))
 	const u64 nreq = (job->bytes + bs - 1) / bs;
 	const u32 tail = (u32)(job->bytes - (nreq - 1) * bs); /* bytes of the last one */
 	const u64 idle_lim = ms_to_tsc(job->timeout_ms);
-	u64 nleft = nreq, sec = job->sector;
+	u64 nleft = nreq, sec = rnd ? (u64)job->sectors : job->sector;
 	/* u32 copies of the u16 ring indices: no zero-extensions in the loop */
 	u32 aidx = avail_idx, uidx = used_idx;
 	u64 ioerr = 0, unsupp = 0, nostatus = 0, errbytes = 0;
@@ -509,15 +523,15 @@ run_loop(const struct vblk_dev *d, const struct vblk_job *job, struct vblk_stats
 	u64 t0 = rdtsc();
 	for (u32 i = 0; i < qd; i++) {
 		u16 h = (u16)(3 * i);
-		HDR_SECTOR(h) = sec;
+		HDR_SECTOR(h) = SEC_VAL(sec);
 		status[h] = STATUS_PENDING;
 		if (--nleft == 0 && tail != bs)
 			vq_desc[h + 1].len = tail; /* the short last request */
 		if (fill)
-			pattern_fill((u64 *)slot_buf[h], sec, vq_desc[h + 1].len >> 9);
+			pattern_fill((u64 *)slot_buf[h], HDR_SECTOR(h), vq_desc[h + 1].len >> 9);
 		vq_avail.ring[aidx & mask] = h;
 		aidx++;
-		sec += spr;
+		sec += step;
 	}
 	avail_idx = (u16)aidx;
 	barrier();
@@ -534,7 +548,7 @@ run_loop(const struct vblk_dev *d, const struct vblk_job *job, struct vblk_stats
 		const u32 a0 = aidx;
 		do {
 			if (!fill && !check) {
-				fast_path(&uidx, ui, &aidx, &sec, &nleft, mask, nh, spr);
+				fast_path(&uidx, ui, &aidx, &sec, &nleft, mask, nh, step, rnd);
 				if ((u16)uidx == ui)
 					break;
 			}
@@ -559,17 +573,18 @@ run_loop(const struct vblk_dev *d, const struct vblk_job *job, struct vblk_stats
 								&st->first_mismatch);
 			}
 			if (nleft) {
-				HDR_SECTOR(h) = sec;
+				HDR_SECTOR(h) = SEC_VAL(sec);
 				status[h] = STATUS_PENDING;
 				if (__builtin_expect(--nleft == 0, 0)) {
 					if (tail != bs)
 						vq_desc[h + 1].len = tail;
 				}
 				if (fill)
-					pattern_fill((u64 *)slot_buf[h], sec, vq_desc[h + 1].len >> 9);
+					pattern_fill((u64 *)slot_buf[h], HDR_SECTOR(h),
+						     vq_desc[h + 1].len >> 9);
 				vq_avail.ring[aidx & mask] = (u16)h;
 				aidx++;
-				sec += spr;
+				sec += step;
 			}
 		} while ((u16)uidx != ui);
 		if (aidx != a0) {
@@ -597,28 +612,45 @@ out:
 	/* Bytes of the requests that completed with status OK. */
 	u64 completed = (nleft == 0 && outstanding == 0 && !badhead) ? job->bytes : done * bs;
 	st->bytes += completed - errbytes;
+#undef SEC_VAL
 }
 
 /*
  * Runs a job: job->bytes from job->sector in requests of job->bs bytes, at
  * most job->qd in flight, slot i's buffer at job->buf + i * job->bs.
  */
-#define RUN_VARIANT(name, f, c)                                                                   \
+#define RUN_VARIANT(name, f, c, r)                                                                \
 	static __attribute__((noinline)) void name(const struct vblk_dev *d,                      \
 						   const struct vblk_job *job, struct vblk_stats *st) \
 	{                                                                                         \
-		run_loop(d, job, st, f, c);                                                       \
+		run_loop(d, job, st, f, c, r);                                                    \
 	}
-RUN_VARIANT(run_plain, false, false)
-RUN_VARIANT(run_fill, true, false)
-RUN_VARIANT(run_check, false, true)
+RUN_VARIANT(run_plain, false, false, false)
+RUN_VARIANT(run_fill, true, false, false)
+RUN_VARIANT(run_check, false, true, false)
+RUN_VARIANT(run_plain_rnd, false, false, true)
+RUN_VARIANT(run_fill_rnd, true, false, true)
+RUN_VARIANT(run_check_rnd, false, true, true)
 
 void vblk_run(const struct vblk_dev *d, const struct vblk_job *job, struct vblk_stats *st)
 {
+	bool rnd = job->sectors != NULL;
 	if (job->fill)
-		run_fill(d, job, st);
+		(rnd ? run_fill_rnd : run_fill)(d, job, st);
 	else if (job->check)
-		run_check(d, job, st);
+		(rnd ? run_check_rnd : run_check)(d, job, st);
 	else
-		run_plain(d, job, st);
+		(rnd ? run_plain_rnd : run_plain)(d, job, st);
+}
+
+/*
+ * The random offsets, drawn before the job (its clock starts at the first
+ * submit): slot k of `slots` is splitmix64 % slots, an exact and portable
+ * rule that a host-side test reproduces (tests/tests/blk_random.rs).
+ */
+void vblk_random_sectors(u64 *out, u64 n, u64 seed, u64 off_sec, u64 slots, u64 spr)
+{
+	u64 x = seed ^ VBLK_OFFSET_SALT;
+	for (u64 i = 0; i < n; i++)
+		out[i] = off_sec + (splitmix(&x) % slots) * spr;
 }

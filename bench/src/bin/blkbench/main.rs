@@ -4,7 +4,12 @@
 //! cargo build --release -p corral-api -p corral-bench
 //! target/x86_64-unknown-linux-gnu/release/blkbench [RUNS] [--pairs N] [--poll-ab US]
 //! target/x86_64-unknown-linux-gnu/release/blkbench --engines N
+//! target/x86_64-unknown-linux-gnu/release/blkbench --fio ROUNDS [--dir DIR]
 //! ```
+//!
+//! `--fio ROUNDS` compares an O_DIRECT disk on the io_uring engine with
+//! Debian's `fio --ioengine=io_uring` on the same file from the host
+//! (`fio.rs`).
 //!
 //! `--engines N` compares the disk engines only: for page-cache and
 //! O_DIRECT files, reads and writes, 4 KiB and 128 KiB, queue depth 1, 4
@@ -22,7 +27,48 @@
 //! reported as the median and the mean ± 95 % interval of the per-pair
 //! ratios.
 
+mod fio;
+
+use std::path::PathBuf;
 use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use clap::Parser;
+
+/// virtio-blk throughput, engines and throttle overhead on real VMs
+/// (guest-measured).
+#[derive(Parser, Debug)]
+#[command(name = "blkbench")]
+struct Args {
+    /// Runs per job (the median is reported).
+    #[arg(default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..))]
+    runs: u32,
+    /// Interleaved pairs for the polling and limit comparisons.
+    #[arg(long, default_value_t = 21, value_parser = clap::value_parser!(u32).range(1..))]
+    pairs: u32,
+    /// Also compare ring polling off against this window (µs).
+    #[arg(long, value_name = "US")]
+    poll_ab: Option<u64>,
+    /// Only compare the sync and uring engines, N VMs per job.
+    #[arg(long, value_name = "N", conflicts_with = "fio", value_parser = clap::value_parser!(u32).range(1..))]
+    engines: Option<u32>,
+    /// Only compare an O_DIRECT uring disk with fio on the host, ROUNDS rounds.
+    #[arg(long, value_name = "ROUNDS", value_parser = clap::value_parser!(u32).range(1..))]
+    fio: Option<u32>,
+    /// --fio: directory for the file (default: the first of $TMPDIR, /var/tmp,
+    /// the binary's directory that is not tmpfs and does O_DIRECT).
+    #[arg(long, value_name = "DIR", requires = "fio")]
+    dir: Option<PathBuf>,
+    /// --fio: size of the file in MiB.
+    #[arg(long, value_name = "MIB", default_value_t = 256, requires = "fio")]
+    file_mib: u64,
+    /// --fio: fio's run time per job, ms.
+    #[arg(long, value_name = "MS", default_value_t = 1000, requires = "fio")]
+    fio_ms: u64,
+    /// --fio: the fio binary.
+    #[arg(long, value_name = "PATH", default_value = "fio", requires = "fio")]
+    fio_bin: PathBuf,
+}
 
 fn run(disk: &str, probe: &str) -> (f64, f64) {
     run_env(disk, probe, None)
@@ -113,31 +159,28 @@ fn median(v: &mut [f64]) -> f64 {
 }
 
 fn main() {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let mut runs = 5usize;
-    let mut npairs = 21usize;
-    let mut poll_ab: Option<u64> = None;
-    let mut it = args.iter();
-    while let Some(a) = it.next() {
-        let mut num = |what: &str| -> u64 {
-            it.next()
-                .and_then(|v| v.parse().ok())
-                .unwrap_or_else(|| panic!("{what} needs a number"))
-        };
-        match a.as_str() {
-            "--pairs" => npairs = num("--pairs").max(1) as usize,
-            "--poll-ab" => poll_ab = Some(num("--poll-ab")),
-            "--engines" => {
-                engines(num("--engines").max(1) as usize);
-                return;
-            }
-            n => {
-                runs = n
-                    .parse()
-                    .unwrap_or_else(|_| panic!("unknown argument {n:?}"))
-            }
-        }
+    let args = Args::parse();
+    if let Some(n) = args.engines {
+        engines(n as usize);
+        return;
     }
+    if let Some(rounds) = args.fio {
+        let o = fio::FioOpts {
+            rounds: rounds as usize,
+            dir: args.dir,
+            file_mib: args.file_mib.max(1),
+            runtime: Duration::from_millis(args.fio_ms.max(100)),
+            fio: args.fio_bin,
+        };
+        if let Err(e) = fio::run(&o) {
+            eprintln!("blkbench --fio: {e}");
+            std::process::exit(1);
+        }
+        return;
+    }
+    let runs = args.runs as usize;
+    let npairs = args.pairs as usize;
+    let poll_ab = args.poll_ab;
     let dir = std::env::temp_dir().join(format!("corral-blkbench-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let img = dir.join("disk.img");
