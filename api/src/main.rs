@@ -160,7 +160,6 @@ fn main() -> ExitCode {
             .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
             .init(),
     }
-    let mut argv = std::env::args_os();
     // The daemon's internal commands: parsed by hand, without the command
     // tree (a VM process's start-up time and RSS are benchmark targets).
     match std::env::args_os().nth(1) {
@@ -173,11 +172,12 @@ fn main() -> ExitCode {
         _ => {}
     }
     if std::env::args_os().nth(1).is_some_and(|a| a == "run") {
-        let _ = argv.next();
-        let _ = argv.next();
-        let cli = RunCli::parse_from(std::iter::once("corral run".into()).chain(argv));
+        let rest: Vec<std::ffi::OsString> = std::env::args_os().skip(2).collect();
+        let args = run::RunArgs::parse_plain(&rest).unwrap_or_else(|| {
+            RunCli::parse_from(std::iter::once("corral run".into()).chain(rest)).args
+        });
         corral_vmm::boottrace::step("args");
-        return run::run(cli.args);
+        return run::run(args);
     }
     let cli = Cli::parse();
     let outer = cli.client_opts();
