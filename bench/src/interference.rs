@@ -28,10 +28,12 @@ use super::{BenchError, InterferenceArgs, Sizes};
 const SAMPLE: Duration = Duration::from_millis(50);
 /// Adaptive rounds: at least this many per victim.
 const MIN_ROUNDS: u32 = 3;
+mod gatelog;
 mod output;
 mod scenarios;
 mod threads;
 use super::rounds::{self, Next, Progress};
+use gatelog::GateSample;
 use scenarios::{Cell, GOALS, HogKind, Point, SCENARIOS, Scenario, slowdown};
 
 /// Whether `key` is repeated by the adaptive rounds (the run alone and the
@@ -407,6 +409,7 @@ fn cell(
         hog_restarts,
         timeline: m.timeline,
         threads: m.threads,
+        gate: m.gate,
         secs: t0.elapsed().as_secs_f64(),
     })
 }
@@ -418,6 +421,7 @@ struct Measured {
     hog_cpu_s: f64,
     timeline: Vec<Point>,
     threads: [threads::Sched; 5],
+    gate: gatelog::GateTotals,
 }
 
 /// The scheduler's entitlement of a class now, percent of one CPU.
@@ -438,6 +442,7 @@ fn measure(
     let hog_cpu = || hog.map_or(0, Hog::cpu_ns);
     let h_start = hog_cpu();
     let mut acc = threads::Accounts::begin(mgr, name, hog.map(|_| "hog"), slice_ns);
+    let mut glog = gatelog::GateLog::begin(mgr, name, hog.map(|_| "hog"));
     let mut vm = Vm::start(mgr, name, "victim", job)?;
     let t0 = vm.t0;
     acc.sample(mgr);
@@ -456,7 +461,8 @@ fn measure(
         let v = vm.cpu_ns();
         let now = Instant::now();
         if now >= next {
-            s.add(now, v, hog_cpu(), mgr);
+            let g = glog.sample(mgr);
+            s.add(now, v, hog_cpu(), mgr, g);
             acc.sample(mgr);
             next += SAMPLE;
         }
@@ -472,10 +478,11 @@ fn measure(
     let end = vm.done_at.unwrap_or_else(Instant::now);
     let h_end = hog_cpu();
     acc.sample(mgr);
+    let g_end = glog.sample(mgr);
     vm.wait_stopped(Duration::from_secs(5));
     vm.pump(Duration::ZERO);
     let v_end = vm.cpu_ns();
-    s.add(end.max(s.last.0), v_end, h_end, mgr);
+    s.add(end.max(s.last.0), v_end, h_end, mgr, g_end);
     vm.check_ok()?;
     let guest_s = vm
         .result_line()
@@ -489,6 +496,7 @@ fn measure(
         hog_cpu_s: h_end.saturating_sub(h_start) as f64 / 1e9,
         timeline: s.timeline,
         threads: acc.totals(),
+        gate: glog.totals(),
     })
 }
 
@@ -501,7 +509,7 @@ struct Sampler {
 }
 
 impl Sampler {
-    fn add(&mut self, now: Instant, v: u64, h: u64, mgr: &Manager) {
+    fn add(&mut self, now: Instant, v: u64, h: u64, mgr: &Manager, g: Option<GateSample>) {
         let (lt, lv, lh) = self.last;
         let dt = (now - lt).as_secs_f64();
         if dt > 0.02 {
@@ -511,6 +519,7 @@ impl Sampler {
                 hog: h.saturating_sub(lh) as f64 / 1e9 / dt * 100.0,
                 victim_ent: entitlement(mgr, "victim"),
                 hog_ent: entitlement(mgr, "hog"),
+                gate: g,
             });
             self.last = (now, v, h);
         }

@@ -49,6 +49,9 @@ use crate::model::{Capacity, ClassSpec, ModelError, VmId, VmSpec};
 use crate::policy::{ALL_VCPUS, Action, PolicyConfig, VmUsage};
 use crate::scheduler::Scheduler;
 
+#[path = "sim_helper.rs"]
+mod helper;
+
 /// Simulator settings.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SimConfig {
@@ -130,6 +133,20 @@ pub enum Pattern {
     Job {
         /// CPU work per vCPU.
         work_ns: u64,
+    },
+    /// An I/O-bound VM behind a throttle, with a device thread: a request
+    /// is admitted every `interval_ns`; each needs `helper_ns` of the VM's
+    /// device thread (which does the I/O, is charged to the VM, reported
+    /// as a busy helper and never parked) and `vcpu_ns` of one vCPU (the
+    /// guest completes it and submits the next). Latencies (admission to
+    /// the vCPU's part done) are recorded.
+    Throttled {
+        /// Time between admitted requests.
+        interval_ns: u64,
+        /// vCPU work per request.
+        vcpu_ns: u64,
+        /// Device-thread work per request.
+        helper_ns: u64,
     },
 }
 
@@ -286,6 +303,8 @@ struct SimVm {
     longest_starve_ns: u64,
     job_done_ns: Option<u64>,
     latencies: Vec<u64>,
+    /// The VM's device thread ([`Pattern::Throttled`]).
+    helper: helper::Helper,
 }
 
 impl SimVm {
@@ -302,7 +321,7 @@ impl SimVm {
                     0
                 }
             }
-            Pattern::MostlyIdle { .. } | Pattern::Latency { .. } => {
+            Pattern::MostlyIdle { .. } | Pattern::Latency { .. } | Pattern::Throttled { .. } => {
                 u32::from(!self.requests.is_empty())
             }
             Pattern::Job { .. } => self.job_left.iter().filter(|&&w| w > 0.0).count() as u32,
@@ -333,6 +352,17 @@ impl SimVm {
                     self.next_arrival += gap.max(1);
                 }
             }
+            Pattern::Throttled {
+                interval_ns,
+                vcpu_ns,
+                helper_ns,
+            } => {
+                while self.next_arrival <= t {
+                    self.requests.push_back((self.next_arrival, vcpu_ns as f64));
+                    self.helper.left += helper_ns as f64;
+                    self.next_arrival += interval_ns.max(1);
+                }
+            }
             _ => {}
         }
     }
@@ -345,7 +375,7 @@ impl SimVm {
             Pattern::Hog | Pattern::PartialHog { .. } | Pattern::Bursty { .. } => {
                 f64::from(self.runnable) * slice
             }
-            Pattern::MostlyIdle { .. } | Pattern::Latency { .. } => {
+            Pattern::MostlyIdle { .. } | Pattern::Latency { .. } | Pattern::Throttled { .. } => {
                 let mut budget = slice;
                 while budget > 0.0 {
                     let Some(front) = self.requests.front_mut() else {
@@ -544,6 +574,7 @@ impl Simulator {
             longest_starve_ns: 0,
             job_done_ns: None,
             latencies: Vec::new(),
+            helper: helper::Helper::default(),
         });
         Ok(id)
     }
@@ -618,8 +649,11 @@ impl Simulator {
             } else {
                 ALL_VCPUS
             };
+            let helpers = vm.helper.end_tick(self.config.policy.tick_ns);
             self.usages.push(
-                VmUsage::total(vm.id, vm.cpu_total as u64, false).with_runnable_vcpus(runnable),
+                VmUsage::total(vm.id, vm.cpu_total as u64, false)
+                    .with_runnable_vcpus(runnable)
+                    .with_busy_helpers(helpers),
             );
             vm.tick_runnable = 0;
         }
@@ -698,11 +732,15 @@ impl Simulator {
             vm.arrivals(t, &mut self.rng);
             vm.runnable = vm.runnable_at(t);
             vm.tick_runnable = vm.tick_runnable.max(vm.runnable);
+            // The device thread is never parked.
+            vm.helper.demand(stepf, &mut spinning, &mut self.partial);
             if vm.parked || vm.runnable == 0 {
                 continue;
             }
             match vm.pattern {
-                Pattern::MostlyIdle { .. } | Pattern::Latency { .. } => {
+                Pattern::MostlyIdle { .. }
+                | Pattern::Latency { .. }
+                | Pattern::Throttled { .. } => {
                     let queued: f64 = vm.requests.iter().map(|r| r.1).sum();
                     if queued >= stepf {
                         spinning += 1;
@@ -746,6 +784,10 @@ impl Simulator {
         let mut used = 0.0;
         let mut parked_wanting = 0u64;
         for vm in &mut self.vms {
+            let h = vm.helper.run(slice);
+            vm.cpu_total += h;
+            vm.cpu_ns += h;
+            used += h;
             if vm.runnable == 0 {
                 vm.starve_ns = 0;
                 continue;

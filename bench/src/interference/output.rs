@@ -50,6 +50,7 @@ pub(super) fn write(rep: &mut Report, out: &OutDir, r: &Run<'_>) -> Result<(), B
         }
     ));
     accounting(rep, r);
+    gate_accounting(rep, r);
     goals(rep, r);
     plots(rep, out, r)?;
     rep.para(
@@ -82,6 +83,7 @@ fn csvs(out: &OutDir, cells: &[Cell]) -> Result<(), BenchError> {
             format!("{r}_slices"),
         ]);
     }
+    header.extend(GATE_COLUMNS.iter().map(|s| s.to_string()));
     let h: Vec<&str> = header.iter().map(String::as_str).collect();
     let mut csv = Csv::new(&h);
     let mut tl = Csv::new(&[
@@ -93,6 +95,11 @@ fn csvs(out: &OutDir, cells: &[Cell]) -> Result<(), BenchError> {
         "hog_cpu_pct",
         "victim_entitlement_pct",
         "hog_entitlement_pct",
+        "available_pct",
+        "outside_pct",
+        "victim_parked",
+        "victim_demand_pct",
+        "hog_demand_pct",
     ]);
     for c in cells {
         let mut row = vec![
@@ -113,9 +120,23 @@ fn csvs(out: &OutDir, cells: &[Cell]) -> Result<(), BenchError> {
                 t.slices.to_string(),
             ]);
         }
+        let g = &c.gate;
+        row.extend([
+            format!("{:.3}", g.victim_parked_s),
+            g.victim_parks.to_string(),
+            format!("{:.3}", g.hog_parked_s),
+            g.hog_parks.to_string(),
+            format!("{:.1}", g.available_pct),
+            format!("{:.1}", g.outside_pct),
+            format!("{:.1}", g.victim_demand_pct),
+            format!("{:.1}", g.hog_demand_pct),
+        ]);
         csv.push(row);
         for p in &c.timeline {
             let opt = |v: Option<f64>| v.map(|v| format!("{v:.1}")).unwrap_or_default();
+            let g = |f: fn(&super::gatelog::GateSample) -> f64| {
+                opt(p.gate.as_ref().filter(|_| c.scn.gate).map(f))
+            };
             tl.push(vec![
                 c.round.to_string(),
                 c.job.into(),
@@ -125,6 +146,11 @@ fn csvs(out: &OutDir, cells: &[Cell]) -> Result<(), BenchError> {
                 format!("{:.1}", p.hog),
                 opt(p.victim_ent),
                 opt(p.hog_ent),
+                g(|g| g.available_pct),
+                g(|g| g.outside_pct),
+                g(|g| f64::from(u8::from(g.victim_parked))),
+                g(|g| g.victim_demand_pct),
+                g(|g| g.hog_demand_pct),
             ]);
         }
     }
@@ -205,6 +231,80 @@ fn slowdowns(rep: &mut Report, r: &Run<'_>) {
                     "-".into()
                 } else {
                     format!("{:.0}", hcpu / wall * 100.0)
+                },
+            ]);
+        }
+    }
+    rep.table(&t);
+}
+
+/// The gate's columns of `samples.csv`.
+const GATE_COLUMNS: [&str; 8] = [
+    "victim_parked_s",
+    "victim_parks",
+    "hog_parked_s",
+    "hog_parks",
+    "available_pct",
+    "outside_pct",
+    "victim_demand_pct",
+    "hog_demand_pct",
+];
+
+/// Per gate scenario: the mean per victim run of the time the policy kept
+/// each VM parked, how often, the capacity it planned with and the demand
+/// it counted each VM as.
+fn gate_accounting(rep: &mut Report, r: &Run<'_>) {
+    rep.h2("Gate accounting");
+    rep.para(
+        "Mean per victim run, from the scheduler's statistics every 50 ms (gate scenarios): \
+         seconds parked and parks of the victim and of the hog, the capacity the policy \
+         planned with (nominal less steal and the measured outside load), the outside load, \
+         and the demand it counted each VM as (what admission adds up).",
+    );
+    let mut t = Table::new(&[
+        "victim job",
+        "scenario",
+        "victim parked s / parks",
+        "hog parked s / parks",
+        "planned capacity %",
+        "outside %",
+        "victim demand %",
+        "hog demand %",
+    ]);
+    for (jname, _) in r.jobs {
+        for scn in SCENARIOS.iter().filter(|s| s.gate) {
+            let cs = of(r.cells, jname, scn.key);
+            if cs.is_empty() {
+                continue;
+            }
+            let n = cs.len() as f64;
+            let mean = |f: fn(&super::gatelog::GateTotals) -> f64| {
+                cs.iter().map(|c| f(&c.gate)).sum::<f64>() / n
+            };
+            t.row(vec![
+                jname.to_string(),
+                scn.key.to_string(),
+                format!(
+                    "{:.2} / {:.0}",
+                    mean(|g| g.victim_parked_s),
+                    mean(|g| g.victim_parks as f64)
+                ),
+                if scn.hog == HogKind::None {
+                    "-".into()
+                } else {
+                    format!(
+                        "{:.2} / {:.0}",
+                        mean(|g| g.hog_parked_s),
+                        mean(|g| g.hog_parks as f64)
+                    )
+                },
+                format!("{:.1}", mean(|g| g.available_pct)),
+                format!("{:.1}", mean(|g| g.outside_pct)),
+                format!("{:.1}", mean(|g| g.victim_demand_pct)),
+                if scn.hog == HogKind::None {
+                    "-".into()
+                } else {
+                    format!("{:.1}", mean(|g| g.hog_demand_pct))
                 },
             ]);
         }

@@ -97,6 +97,8 @@ pub(super) struct Cell {
     /// What the victim's and the hog's threads did during the victim's run
     /// (in [`super::threads::ROLES`] order).
     pub(super) threads: [super::threads::Sched; 5],
+    /// What the gate's policy did during the victim's run.
+    pub(super) gate: super::gatelog::GateTotals,
     /// Seconds the whole cell took (the hog's start and warm-up, the
     /// victim's run and the teardown).
     pub(super) secs: f64,
@@ -111,6 +113,8 @@ pub(super) struct Point {
     pub(super) hog: f64,
     pub(super) victim_ent: Option<f64>,
     pub(super) hog_ent: Option<f64>,
+    /// The policy's state at the sample (gate scenarios).
+    pub(super) gate: Option<super::gatelog::GateSample>,
 }
 
 /// The slowdown of scenario `key` for victim `job`: per round, its total
@@ -146,6 +150,7 @@ mod tests {
             hog_restarts: 0,
             timeline: Vec::new(),
             threads: Default::default(),
+            gate: Default::default(),
             secs: 0.0,
         }
     }
