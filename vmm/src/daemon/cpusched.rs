@@ -351,18 +351,17 @@ impl CpuScheduler {
                 v.settled = true;
             }
             let reads = &mut inner.work.clock_reads;
+            // Idle device threads (quiet parked VM processes) are read in
+            // turn, a quarter of the VMs at each tick.
+            let due = tick_no
+                .wrapping_add(v.slot as u64)
+                .is_multiple_of(IDLE_EXTRA_READ_TICKS);
             let s = match &mut v.source {
                 Source::Process(p) => {
-                    p.sample(&v.gate, now, tick_ns, &mut v.idle_ticks, settled, reads)
+                    let idle = &mut v.idle_ticks;
+                    p.sample(&v.gate, now, tick_ns, idle, settled, due, reads)
                 }
-                Source::Threads(t) => {
-                    // Idle device threads are read in turn, a quarter of
-                    // the VMs at each tick.
-                    let due = tick_no
-                        .wrapping_add(v.slot as u64)
-                        .is_multiple_of(IDLE_EXTRA_READ_TICKS);
-                    t.sample(tick_ns, &mut v.idle_ticks, settled, due, reads)
-                }
+                Source::Threads(t) => t.sample(tick_ns, &mut v.idle_ticks, settled, due, reads),
             };
             inner.vms_since_sample_ns += v.report(s.total);
             // A parked VM's vCPUs wait on the gate: they still want CPU as

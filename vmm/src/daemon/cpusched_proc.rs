@@ -19,7 +19,7 @@
 
 use corral_scheduler::{CpuClamp, Gate};
 
-use super::{BUSY_FRACTION, Sample, note_run};
+use super::{BUSY_FRACTION, RUNNABLE_MEMORY_TICKS, Sample, note_run};
 use crate::vmgate::{ThreadRunTime, process_cpu_ns};
 
 /// A publication older than this many ticks is not used: the runnable
@@ -41,6 +41,9 @@ pub(super) struct ProcSource {
     stale: u8,
     /// The process total at the last sample.
     total: u64,
+    /// Ticks since the process last used 1/[`BUSY_FRACTION`] of a tick
+    /// (saturating).
+    quiet: u8,
 }
 
 impl ProcSource {
@@ -72,6 +75,7 @@ impl ProcSource {
             seq,
             stale: STALE_TICKS,
             total: process_cpu_ns(pid).unwrap_or(0),
+            quiet: RUNNABLE_MEMORY_TICKS,
         }
     }
 
@@ -83,8 +87,14 @@ impl ProcSource {
     /// Reads the process clock, then the vCPU clocks (unless `settled`:
     /// parked and every vCPU seen on the gate) or the page; updates each
     /// vCPU's idle count in `idle` (one entry per vCPU). `busy` is `None`
-    /// when settled (the caller keeps its count). Adds the clock reads it
-    /// made (the process clock, `schedstat` reads) to `reads`.
+    /// when settled (the caller keeps its count). A settled VM whose
+    /// process has been quiet for [`RUNNABLE_MEMORY_TICKS`] ticks (its
+    /// vCPUs wait on the gate, its device thread has nothing to do) is not
+    /// read at all unless `due` (every 4th tick, as an idle device thread
+    /// in one process): its clock is cumulative, so what it used then is
+    /// charged at the next reading. Adds the clock reads it made (the
+    /// process clock, `schedstat` reads) to `reads`.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn sample(
         &mut self,
         gate: &Gate,
@@ -92,14 +102,28 @@ impl ProcSource {
         tick_ns: u64,
         idle: &mut [u8],
         settled: bool,
+        due: bool,
         reads: &mut u64,
     ) -> Sample {
+        if settled && self.quiet >= RUNNABLE_MEMORY_TICKS && !due {
+            self.quiet = self.quiet.saturating_add(1);
+            return Sample {
+                total: self.total,
+                busy: None,
+                helpers: 0,
+            };
+        }
         *reads += 1;
         let total = process_cpu_ns(self.pid)
             .unwrap_or(self.total)
             .max(self.total);
         let used = total - self.total;
         self.total = total;
+        if used.saturating_mul(BUSY_FRACTION) >= tick_ns {
+            self.quiet = 0;
+        } else {
+            self.quiet = self.quiet.saturating_add(1);
+        }
         let (n, seq) = gate.read_cpu(&mut self.buf);
         if seq != self.seq {
             self.seq = seq;
