@@ -94,6 +94,7 @@ pub fn start_with_kvm(cfg: &VmConfig, kvm: &Kvm) -> Result<VmHandle, VmError> {
         exit: Mutex::new(None),
         exit_cond: Condvar::new(),
         vcpu_pthreads: Mutex::new(Vec::new()),
+        vcpu_kick_tids: Mutex::new(Vec::new()),
         wake,
         pause_gate: Arc::new(Gate::new()),
         sched_gate: cfg.sched_gate.clone(),
@@ -523,6 +524,12 @@ fn start_threads(
                     && let Some(slot) = vcpu_tids.get_mut(i)
                 {
                     *slot = tid;
+                    // Before it is listed the thread has not reached its
+                    // loop, which checks the gates and `stopping` before
+                    // its first KVM_RUN: no kick can be missed.
+                    if tid > 0 {
+                        lock(&shared.vcpu_kick_tids).push(tid);
+                    }
                 }
             }
             Err(e) => {

@@ -40,6 +40,7 @@ impl VmHandle {
             exit: Mutex::new(Some(reason)),
             exit_cond: Condvar::new(),
             vcpu_pthreads: Mutex::new(Vec::new()),
+            vcpu_kick_tids: Mutex::new(Vec::new()),
             faults: VmFaults::new(wake.as_raw_fd()),
             wake,
             pause_gate: Arc::new(Gate::new()),

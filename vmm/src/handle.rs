@@ -265,10 +265,12 @@ impl VmHandle {
             std::thread::sleep(Duration::from_millis(1));
         }
         lock(&self.shared.vcpu_pthreads).clear();
+        lock(&self.shared.vcpu_kick_tids).clear();
         for t in threads {
             let _ = t.join();
         }
         lock(&self.shared.vcpu_pthreads).clear();
+        lock(&self.shared.vcpu_kick_tids).clear();
         self.console.close();
         self.exit_reason().unwrap_or(ExitReason::Stopped)
     }
