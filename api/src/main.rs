@@ -286,6 +286,17 @@ fn vmm_process() -> ExitCode {
         eprintln!("corral vmm: internal command of `corral serve`; usage: corral vmm --fd N");
         return ExitCode::from(2);
     };
+    // Namespaces the launcher made for this process ahead of time (its jail
+    // checks them and does not make them again).
+    if let Some(list) = args
+        .iter()
+        .position(|a| a == "--jail-ns")
+        .and_then(|i| args.get(i + 1))
+        && let Err(e) = corral_vmm::jail::spawned_in(list)
+    {
+        eprintln!("corral vmm: {e}");
+        return ExitCode::from(2);
+    }
     // SAFETY: the launcher set up fd `fd` for this process as its socket to
     // the daemon; nothing else in this process owns it.
     let sock = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) };

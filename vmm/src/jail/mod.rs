@@ -13,9 +13,12 @@
 //! 4. Each file's mount is cloned from its open fd (`open_tree`), and the
 //!    KVM device's; see [`mounts`] for why this comes before `unshare`.
 //! 5. `unshare` of the mount, IPC, UTS, network and pid namespaces (those
-//!    the spec asks for; mount always).
-//! 6. With a pid namespace: one `fork` ([`pidns`]). The child goes on as
-//!    pid 1 of the new namespace; the parent never returns from `enter`:
+//!    the spec asks for; mount always), less those the spawner made for
+//!    this process ([`spawned_in`]: checked not to be the spawner's own).
+//! 6. With a pid namespace: nothing, if the process is pid 1 of one
+//!    already (its spawner cloned it there: `vmproc::spawn`, as the
+//!    daemon's launcher does); otherwise one `fork` ([`pidns`]). The child
+//!    goes on as pid 1 of the new namespace; the parent never returns from `enter`:
 //!    it drops its privileges like the child and confines itself (no
 //!    core, its standard fds and one pipe, a seccomp filter of a dozen
 //!    syscalls: [`reaper`],
@@ -57,6 +60,7 @@ mod error;
 mod forvm;
 mod mounts;
 mod pidns;
+mod premade;
 mod probe;
 pub mod reaper;
 mod spec;
@@ -70,6 +74,7 @@ use rustix::thread::UnshareFlags;
 
 pub use error::{JailError, Step};
 pub use forvm::{HostView, enter_vm, host_view};
+pub use premade::spawned_in;
 pub use probe::{NsKind, probe, probe_all, probe_together};
 pub use reaper::ALLOWED as OUTER_SYSCALLS;
 pub use spec::{
@@ -141,14 +146,14 @@ fn open_kvm(spec: &JailSpec<'_>) -> Result<OwnedFd, JailError> {
     Ok(fd)
 }
 
-fn unshare_flags(ns: &Namespaces) -> (UnshareFlags, String) {
+fn unshare_flags(ns: &Namespaces, new_pid: bool) -> (UnshareFlags, String) {
     let mut f = UnshareFlags::NEWNS;
     let mut names = vec!["mount"];
     for (on, flag, name) in [
         (ns.ipc, UnshareFlags::NEWIPC, "ipc"),
         (ns.uts, UnshareFlags::NEWUTS, "uts"),
         (ns.net, UnshareFlags::NEWNET, "net"),
-        (ns.pid, UnshareFlags::NEWPID, "pid"),
+        (ns.pid && new_pid, UnshareFlags::NEWPID, "pid"),
     ] {
         if on {
             f |= flag;
@@ -158,11 +163,21 @@ fn unshare_flags(ns: &Namespaces) -> (UnshareFlags, String) {
     (f, names.join(", "))
 }
 
+/// Whether this process is pid 1 of its pid namespace: its spawner cloned
+/// it into a new one (`vmproc::spawn`), so the jail has a pid namespace
+/// without a fork. (Pid 1 of the host's namespace is init, never a VM
+/// process.)
+fn is_pid_namespace_init() -> bool {
+    rustix::process::getpid().is_init()
+}
+
 /// Jails the calling process (see the module docs for the steps). With a
-/// pid namespace this forks: `enter` returns in the child only, which is
-/// pid 1 of the new namespace; the parent waits for it and exits with its
-/// status.
+/// pid namespace this forks, unless the process is pid 1 of one already
+/// (started by `vmproc::spawn` with `CLONE_NEWPID`): `enter` then returns
+/// in the child only, which is pid 1 of the new namespace; the parent
+/// waits for it and exits with its status.
 pub fn enter(spec: &JailSpec<'_>) -> Result<Jailed, JailError> {
+    use crate::boottrace::step;
     spec.check()?;
     match count_threads()? {
         1 => {}
@@ -170,28 +185,47 @@ pub fn enter(spec: &JailSpec<'_>) -> Result<Jailed, JailError> {
     }
     let kvm = open_kvm(spec)?;
     let trees = mounts::clone_trees(&spec.files, kvm.as_fd())?;
-    let (flags, names) = unshare_flags(&spec.namespaces);
+    step("jail-open");
+    let fork = spec.namespaces.pid && !is_pid_namespace_init();
+    // Kinds the spawner made for this process (checked not to be its
+    // own) are not made again.
+    let made = premade::checked()?;
+    let make = Namespaces {
+        pid: spec.namespaces.pid,
+        ipc: spec.namespaces.ipc && !made.ipc,
+        net: spec.namespaces.net && !made.net,
+        uts: spec.namespaces.uts && !made.uts,
+    };
+    let (flags, names) = unshare_flags(&make, fork);
     // SAFETY: the process has one thread (checked above), and no file
     // table or fs state is shared with another process through CLONE_FILES
     // or CLONE_FS that would be surprised by the new namespaces.
     unsafe { rustix::thread::unshare_unsafe(flags) }.map_err(at(Step::Unshare(names)))?;
-    let link = if spec.namespaces.pid {
-        Some(pidns::fork(spec.uid, spec.gid)?)
+    step("jail-unshare");
+    let link = if fork {
+        let l = pidns::fork(spec.uid, spec.gid)?;
+        step("jail-fork");
+        Some(l)
     } else {
         None
     };
     mounts::make_private()?;
+    step("jail-private");
     mounts::build_root(&spec.staging, trees)?;
+    step("jail-root");
     if spec.namespaces.uts {
         rustix::system::sethostname(spec.hostname.as_bytes()).map_err(at(Step::Hostname))?;
     }
     creds::set_limits(&spec.limits)?;
+    step("jail-limits");
     creds::drop_privileges(spec.uid, spec.gid)?;
+    step("jail-drop");
     if let Some(l) = &link {
         l.arm()?;
     }
     creds::verify(spec.uid, spec.gid)?;
-    tracing::debug!(uid = spec.uid, namespaces = %unshare_flags(&spec.namespaces).1, "jailed");
+    step("jail-verify");
+    tracing::debug!(uid = spec.uid, namespaces = %unshare_flags(&spec.namespaces, true).1, "jailed");
     Ok(Jailed {
         kvm,
         pid_namespace: spec.namespaces.pid,

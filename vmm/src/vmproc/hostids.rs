@@ -1,8 +1,10 @@
 //! A VM process's ids as the host numbers them ([`host_ids`]). A jailed
 //! VM process runs in a pid namespace of its own: the pid and thread ids it
-//! reports (`getpid`, `gettid`) are that namespace's (it is pid 1), and the
-//! process its launcher started is the jail's outer process, not the one
-//! that runs the VM. The daemon signals threads (`tgkill`), reads their
+//! reports (`getpid`, `gettid`) are that namespace's (it is pid 1). The
+//! launcher clones it into that namespace (`vmproc::spawn`), so the
+//! process it started is the one that runs the VM; a jail that forks
+//! itself (`jail::enter` in a process that is not pid 1) leaves an outer
+//! process in between, whose child runs the VM. The daemon signals threads (`tgkill`), reads their
 //! `/proc/TID` files, places them in cgroups and records the pid for the
 //! next daemon by host ids only: each goes through here once, when the
 //! daemon attaches to the process (at start, and when it re-adopts it).
@@ -13,8 +15,8 @@ use super::proto::Status;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HostIds {
     /// The process its launcher started, which the launcher reaps and
-    /// kills: with a pid namespace, the jail's outer process (SIGKILL of it
-    /// ends the VM too); without, the VM process itself.
+    /// kills: the VM process, or the outer process of a jail that forked
+    /// (SIGKILL of it ends the VM too).
     pub outer: u32,
     /// The process that runs the VM (its vCPU and device threads), in the
     /// host's pid namespace: what the API and the state file report.

@@ -2,19 +2,22 @@
 //! filter that forbids `execve` (and a VM process must be free to set up its
 //! own jail), so `corral serve` starts one small helper, `corral
 //! vmm-launcher`, before it installs any filter. The helper forks and execs
-//! each `corral vmm` with the VM's end of a socketpair as fd 3, reaps its
-//! children and reports how they ended; it exits when the daemon's socket
-//! closes (its VM processes live on or end by their own rules).
+//! each `corral vmm` with the VM's end of a socketpair as fd 3 (cloned into
+//! a new pid namespace when its jail asks for one: [`super::spawn`]), reaps
+//! its children and reports how they ended; it exits when the daemon's
+//! socket closes (its VM processes live on or end by their own rules).
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
-use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
+use super::nspool::NsPool;
+use super::spawn::{SpawnOpts, VmChild, spawn_vm_process};
 use super::wire;
 use crate::util::lock;
 
@@ -33,6 +36,14 @@ enum LauncherReq {
         setsid: bool,
         /// For `ps`: the VM's control socket, if any.
         socket: Option<std::path::PathBuf>,
+        /// As pid 1 of a new pid namespace (its jail asks for one):
+        /// `spawn::spawn_vm_process`.
+        #[serde(default)]
+        pid_namespace: bool,
+        /// Jailed: in a network, IPC and UTS namespace made ahead for it
+        /// when one is ready (`nspool`).
+        #[serde(default)]
+        jailed: bool,
     },
     /// SIGKILL a VM process (only a child not yet reaped: no pid reuse).
     Kill { pid: u32 },
@@ -138,14 +149,16 @@ impl Launcher {
         });
     }
 
-    /// Starts the VM process of `name` with `sock` as its socket; returns
-    /// its pid.
+    /// Starts the VM process of `name` with `sock` as its socket, for the
+    /// jail `jail` (as pid 1 of a new pid namespace if it asks for one, in
+    /// namespaces made ahead for it if ready); returns its pid.
     pub fn spawn_vm(
         &self,
         name: &str,
         sock: OwnedFd,
         setsid: bool,
         socket: Option<&Path>,
+        jail: Option<&super::proto::JailParams>,
     ) -> std::io::Result<u32> {
         self.start_reader();
         let s = lock(&self.sock);
@@ -153,6 +166,8 @@ impl Launcher {
             name: name.to_string(),
             setsid,
             socket: socket.map(Path::to_path_buf),
+            pid_namespace: jail.is_some_and(|j| j.pid_namespace),
+            jailed: jail.is_some(),
         };
         wire::send(&**s, &req, &[sock.as_fd()]).map_err(std::io::Error::other)?;
         drop(sock);
@@ -256,14 +271,6 @@ fn spawn_with_fd(
     cmd.spawn()
 }
 
-fn describe(status: std::process::ExitStatus) -> String {
-    match (status.code(), status.signal()) {
-        (Some(c), _) => format!("exit status {c}"),
-        (None, Some(s)) => format!("killed by signal {s}"),
-        _ => format!("{status}"),
-    }
-}
-
 /// The launcher process (`corral vmm-launcher`): serves the daemon on fd
 /// [`CHILD_FD`] until it closes.
 pub fn launcher_main() -> i32 {
@@ -276,7 +283,8 @@ pub fn launcher_main() -> i32 {
             return 2;
         }
     };
-    let children: Arc<Mutex<BTreeMap<u32, std::process::Child>>> = Arc::default();
+    let children: Arc<Mutex<BTreeMap<u32, VmChild>>> = Arc::default();
+    let mut pool: Option<NsPool> = None;
     {
         let (children, sock) = (children.clone(), sock.clone());
         let _ = std::thread::Builder::new()
@@ -290,9 +298,9 @@ pub fn launcher_main() -> i32 {
                         let pids: BTreeSet<u32> = c.keys().copied().collect();
                         for pid in pids {
                             if let Some(ch) = c.get_mut(&pid)
-                                && let Ok(Some(st)) = ch.try_wait()
+                                && let Ok(Some(how)) = ch.try_wait()
                             {
-                                ended.push((pid, describe(st)));
+                                ended.push((pid, how));
                                 c.remove(&pid);
                             }
                         }
@@ -317,22 +325,31 @@ pub fn launcher_main() -> i32 {
                 name,
                 setsid,
                 socket,
+                pid_namespace,
+                jailed,
             } => {
                 let reply = match fds.pop() {
                     None => LauncherMsg::Failed {
                         message: "no socket passed".into(),
                     },
                     Some(vm_sock) => {
-                        let mut cmd = std::process::Command::new(&exe);
-                        cmd.arg("vmm")
-                            .arg("--fd")
-                            .arg(CHILD_FD.to_string())
-                            .arg("--name")
-                            .arg(&name);
-                        if let Some(s) = &socket {
-                            cmd.arg("--socket").arg(s);
+                        // Started at the first jailed VM: a daemon without
+                        // the jail makes no spare namespaces.
+                        if jailed && pool.is_none() {
+                            pool = NsPool::start(2)
+                                .inspect_err(|e| {
+                                    eprintln!("corral vmm-launcher: namespace pool: {e}")
+                                })
+                                .ok();
                         }
-                        match spawn_with_fd(cmd, &vm_sock, setsid) {
+                        let spare = pool.as_ref().filter(|_| jailed).and_then(NsPool::take);
+                        let opts = SpawnOpts {
+                            own_group: setsid,
+                            pid_namespace,
+                            namespaces: spare.as_ref(),
+                            stderr: None,
+                        };
+                        match spawn_vm_process(&exe, &vm_sock, &name, socket.as_deref(), opts) {
                             Ok(ch) => {
                                 let pid = ch.id();
                                 lock(&children).insert(pid, ch);
@@ -350,7 +367,7 @@ pub fn launcher_main() -> i32 {
             }
             LauncherReq::Kill { pid } => {
                 if let Some(ch) = lock(&children).get_mut(&pid) {
-                    let _ = ch.kill();
+                    ch.kill();
                 }
             }
         }

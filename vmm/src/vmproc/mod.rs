@@ -6,7 +6,9 @@
 pub mod adopt;
 pub mod hostids;
 pub mod launcher;
+pub mod nspool;
 pub mod proto;
 pub mod remote;
 pub mod server;
+pub mod spawn;
 pub mod wire;

@@ -113,7 +113,13 @@ impl RemoteVm {
         let name = vm.name.clone();
         let console_bytes = vm.console_log_bytes;
         let pid = launcher
-            .spawn_vm(&name, theirs, setsid, vm.control_socket.as_deref())
+            .spawn_vm(
+                &name,
+                theirs,
+                setsid,
+                vm.control_socket.as_deref(),
+                vm.jail.as_ref(),
+            )
             .map_err(wire_err)?;
         let fail = |e: VmError| {
             launcher.kill(pid);

@@ -187,10 +187,7 @@ fn side_by_side(rounds: usize, vcpus: &str, mem: &str) {
     let m: u64 = mem.parse().expect("MEMORY_MIB is a number");
     const NAMES: [&str; 3] = ["corral run", "corral vmm", "corral vmm, jailed"];
     let once = |which: usize, n: usize| match which {
-        0 => {
-            let (ms, rss, _) = one(vcpus, mem);
-            (ms, rss)
-        }
+        0 => one(vcpus, mem),
         1 => vmm::one(v, m, false, n),
         _ => vmm::one(v, m, true, n),
     };
@@ -203,16 +200,18 @@ fn side_by_side(rounds: usize, vcpus: &str, mem: &str) {
     }
     let mut t: [Vec<f64>; 3] = Default::default();
     let mut r: [Vec<u64>; 3] = Default::default();
+    let mut steps: [Vec<Steps>; 3] = Default::default();
     for i in 0..rounds {
         let order: [usize; 3] = if i % 2 == 0 { [0, 1, 2] } else { [2, 1, 0] };
         let mut line = format!("round {:2}:", i + 1);
-        let mut got = [(0.0, 0); 3];
+        let mut got: [(f64, u64, Steps); 3] = Default::default();
         for w in order {
             got[w] = once(w, i + 1);
         }
-        for (w, (ms, rss)) in got.into_iter().enumerate() {
+        for (w, (ms, rss, st)) in got.into_iter().enumerate() {
             t[w].push(ms);
             r[w].push(rss);
+            steps[w].push(st);
             line += &format!("  {} {ms:6.2} ms {rss:5} KiB", ["run", "vmm", "jail"][w]);
         }
         println!("{line}");
@@ -241,6 +240,12 @@ fn side_by_side(rounds: usize, vcpus: &str, mem: &str) {
             rs[rs.len() - 1]
         );
     }
+    if std::env::var_os("BOOTBENCH_STEPS").is_some() {
+        for w in 0..3 {
+            println!("{}:", NAMES[w]);
+            print_steps(&steps[w]);
+        }
+    }
     for w in 1..3 {
         let ratio = med_t[w] / med_t[0];
         println!(
@@ -255,6 +260,11 @@ fn side_by_side(rounds: usize, vcpus: &str, mem: &str) {
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
+    if args.get(1).is_some_and(|a| a == "jail-ab") {
+        let arg = |i: usize, d: u64| args.get(i).and_then(|s| s.parse().ok()).unwrap_or(d);
+        vmm::jail_ab(arg(2, 21) as usize, arg(3, 1) as u8, arg(4, 128));
+        return;
+    }
     if args.get(1).is_some_and(|a| a == "side") {
         let rounds = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(21);
         let vcpus = args.get(3).map(String::as_str).unwrap_or("1");

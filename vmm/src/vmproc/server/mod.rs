@@ -77,6 +77,7 @@ fn start_failed(sock: &OwnedFd, why: impl std::fmt::Display) -> VmProcessError {
 pub fn run(sock: OwnedFd, builtin: Arc<[u8]>) -> Result<i32, VmProcessError> {
     let (hello, fds): (Hello, Vec<OwnedFd>) = wire::recv(&sock)?
         .ok_or_else(|| VmProcessError::Config("the daemon closed the socket".into()))?;
+    crate::boottrace::step("vmm-hello");
     if hello.version != PROTOCOL_VERSION {
         return Err(start_failed(
             &sock,
@@ -120,6 +121,7 @@ pub fn run(sock: OwnedFd, builtin: Arc<[u8]>) -> Result<i32, VmProcessError> {
     // nice 0 as they start (`vmthread::spawn`), so the guest's own work
     // competes with the host's at the normal weight.
     crate::util::raise_priority();
+    crate::boottrace::step("vmm-config");
     let mut exit_file = None;
     let kvm = match &spec.jail {
         Some(j) => {
@@ -127,10 +129,10 @@ pub fn run(sock: OwnedFd, builtin: Arc<[u8]>) -> Result<i32, VmProcessError> {
                 .control_socket
                 .as_ref()
                 .and_then(|p| exit::open_exit_record(&p.with_extension("exit")));
-            // With a pid namespace the jail forks: this process stays
-            // outside as the reaper, the child runs the VM as pid 1 and
-            // reports its namespace's ids, which the daemon maps to the
-            // host's (`vmproc::hostids`).
+            // With a pid namespace this process is pid 1 of it (the
+            // launcher cloned it there: `vmproc::spawn`; otherwise the jail
+            // forks) and reports its namespace's ids, which the daemon maps
+            // to the host's (`vmproc::hostids`).
             let ns = crate::jail::Namespaces {
                 pid: j.pid_namespace,
                 ..Default::default()
@@ -148,6 +150,7 @@ pub fn run(sock: OwnedFd, builtin: Arc<[u8]>) -> Result<i32, VmProcessError> {
             .and_then(|()| crate::seccomp::install(crate::seccomp::ThreadKind::Runtime))
             .map_err(|e| start_failed(&sock, e))?;
     }
+    crate::boottrace::step("runtime-seccomp");
     let started = match &kvm {
         Some(k) => crate::builder::start_with_kvm(&cfg, k),
         None => crate::builder::start(&cfg),
