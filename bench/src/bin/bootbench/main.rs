@@ -18,6 +18,10 @@
 //! time from the spawn to `PROBE-UP` and RSS then, each one's min / median
 //! / max, and the ratios to `corral run` (issue 15's guards: ≤ 1.5×, and
 //! ≤ 4 MiB RSS per VM process).
+//!
+//! `bootbench jail-ab [ROUNDS] [VCPUS] [MEMORY_MIB]` times the jailed start
+//! as the daemon makes it against the same jail without the namespace pool
+//! and with the jail's own fork (`vmm.rs`).
 
 mod vmm;
 
