@@ -411,6 +411,11 @@ impl From<VmInfo> for Vm {
                     message: e.to_string(),
                     vcpu: None,
                 },
+                ExitReason::NotAdopted { .. } => VmExit {
+                    reason: "not_adopted".into(),
+                    message: e.to_string(),
+                    vcpu: None,
+                },
             }),
             class: v.class,
             weight: v.weight,

@@ -173,7 +173,8 @@ pub fn run(a: RunArgs) -> ExitCode {
         }
         r @ (ExitReason::Fatal { .. }
         | ExitReason::ThreadFault { .. }
-        | ExitReason::ProcessGone { .. }) => {
+        | ExitReason::ProcessGone { .. }
+        | ExitReason::NotAdopted { .. }) => {
             eprintln!("corral: VM failed: {r}");
             ExitCode::from(1)
         }

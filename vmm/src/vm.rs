@@ -210,6 +210,18 @@ pub enum ExitReason {
         /// How it ended, if known (`killed by signal 9`).
         how: String,
     },
+    /// A restarted daemon found the VM's process running but did not adopt
+    /// it (it speaks another version of the VM-process protocol): the
+    /// process runs on unsupervised, its shares not enforced, its last
+    /// limits holding, until a daemon that speaks its version adopts it.
+    NotAdopted {
+        /// Its pid (as the state file recorded it).
+        pid: u32,
+        /// Its run's identity (kept in the state file for that daemon).
+        nonce: String,
+        /// Why (both protocol versions).
+        why: String,
+    },
 }
 
 /// How a VM's thread failed.
@@ -264,6 +276,12 @@ impl std::fmt::Display for ExitReason {
                 write!(
                     f,
                     "the VM's process (pid {pid}) ended without the VM stopping: {how}"
+                )
+            }
+            Self::NotAdopted { pid, why, .. } => {
+                write!(
+                    f,
+                    "the VM's process (pid {pid}) runs but was not adopted: {why}"
                 )
             }
         }

@@ -68,6 +68,13 @@ pub enum CgroupError {
     /// A name that cannot be a directory.
     #[error("invalid cgroup name {0:?}")]
     BadName(String),
+    /// A v2 group without the cpu controller: its `cpu.weight` / `cpu.max`
+    /// do not exist (creating them fails with EACCES, which is all the
+    /// kernel says).
+    #[error(
+        "cgroup v2 group {0} has no cpu controller ('cpu' is not in its parent's cgroup.subtree_control; where v1 hierarchies hold the cpu controller, v2 cannot have it)"
+    )]
+    NoCpuController(String),
 }
 
 fn io_at(path: &Path) -> impl FnOnce(io::Error) -> CgroupError + '_ {
@@ -145,8 +152,26 @@ impl CgroupBackend {
     /// Finds the cpu controller and creates (or finds, after a restart)
     /// `corral-<instance>` under it.
     pub fn open(instance: &str, placement: Placement) -> Result<Self, CgroupError> {
-        let instance = check_name(instance)?;
         let (base, version) = detect().ok_or(CgroupError::NotFound)?;
+        Self::open_at(&base, version, instance, placement)
+    }
+
+    /// [`Self::open`] in the hierarchy mounted at `base` (its root, of
+    /// `version`) rather than the one [`detect`] finds: a test's own
+    /// cgroup2 mount, or a fake cgroupfs in a temp dir.
+    ///
+    /// v2 with [`Placement::Threads`]: a thread can move only within its
+    /// process's threaded domain (`cgroup.threads` fails with EOPNOTSUPP
+    /// across domains), so the calling process (the daemon, whose threads
+    /// the VMs' are) moves into `corral-<instance>` first, which becomes
+    /// the domain of the threaded class and VM groups below it.
+    pub fn open_at(
+        base: &Path,
+        version: CgroupVersion,
+        instance: &str,
+        placement: Placement,
+    ) -> Result<Self, CgroupError> {
+        let instance = check_name(instance)?;
         let root = base.join(format!("corral-{instance}"));
         if !root.exists() {
             fs::create_dir(&root).map_err(io_at(&root))?;
@@ -155,6 +180,9 @@ impl CgroupBackend {
             // Let the cpu controller reach our groups.
             let _ = write(&base.join("cgroup.subtree_control"), "+cpu");
             let _ = write(&root.join("cgroup.subtree_control"), "+cpu");
+            if placement == Placement::Threads {
+                write(&root.join("cgroup.procs"), &std::process::id().to_string())?;
+            }
         }
         Ok(Self {
             root,
@@ -217,10 +245,21 @@ impl CgroupBackend {
         Ok(dir)
     }
 
+    /// v2: the cpu controller's file `name` of group `dir`, which exists
+    /// only where the controller is enabled for the group.
+    fn cpu_file(dir: &Path, name: &str) -> Result<PathBuf, CgroupError> {
+        let f = dir.join(name);
+        if f.exists() || !dir.join("cgroup.controllers").exists() {
+            // (No cgroup.controllers: not a cgroupfs, e.g. a test's fake.)
+            return Ok(f);
+        }
+        Err(CgroupError::NoCpuController(dir.display().to_string()))
+    }
+
     fn set_weight(&self, dir: &Path, weight: u32) -> Result<(), CgroupError> {
         let w = weight.clamp(1, 10_000);
         match self.version {
-            CgroupVersion::V2 => write(&dir.join("cpu.weight"), &w.to_string()),
+            CgroupVersion::V2 => write(&Self::cpu_file(dir, "cpu.weight")?, &w.to_string()),
             CgroupVersion::V1 => write(&dir.join("cpu.shares"), &(u64::from(w) * 10).to_string()),
         }
     }
@@ -233,7 +272,7 @@ impl CgroupBackend {
                     Some(q) => format!("{q} {PERIOD_US}"),
                     None => format!("max {PERIOD_US}"),
                 };
-                write(&dir.join("cpu.max"), &v)
+                write(&Self::cpu_file(dir, "cpu.max")?, &v)
             }
             CgroupVersion::V1 => {
                 write(&dir.join("cpu.cfs_period_us"), &PERIOD_US.to_string())?;
@@ -267,6 +306,12 @@ impl CgroupBackend {
         let dir = self.vm_dir(class, vm)?;
         self.ensure_dir(&dir, true)?;
         self.set_weight(&dir, weight)?;
+        self.add_threads(&dir, tids)
+    }
+
+    /// Threads `tids` into group `dir` (`cgroup.threads` of a threaded v2
+    /// group, v1's `tasks`).
+    fn add_threads(&self, dir: &Path, tids: &[libc::pid_t]) -> Result<(), CgroupError> {
         let file = match self.version {
             CgroupVersion::V2 => dir.join("cgroup.threads"),
             CgroupVersion::V1 => dir.join("tasks"),

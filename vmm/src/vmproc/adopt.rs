@@ -14,10 +14,10 @@ use std::time::Duration;
 
 use super::launcher::Launcher;
 use super::proto::{ExitRecord, FromVm, Request, Response, Status, ToVm};
-use super::remote::{RemoteVm, readable, wire_err};
+use super::remote::{RemoteVm, readable};
 use super::wire;
 use crate::hostfile::HostFile;
-use crate::vm::{ExitReason, VmError};
+use crate::vm::ExitReason;
 
 /// The control socket of VM `name` in state directory `dir`.
 pub fn control_socket(dir: &Path, name: &str) -> PathBuf {
@@ -32,28 +32,31 @@ pub use super::wire::connect;
 /// Requests sent at once (pipelined: one round trip, which on a loaded
 /// host is one wake-up of each side rather than one per request) and their
 /// answers with their files, by id; before the reader thread runs.
+/// A VM process of another protocol version (its answer's header says
+/// which, or has none: version 1) is [`wire::WireError::Version`].
 fn ask_all(
     sock: &OwnedFd,
     reqs: Vec<(u64, Request)>,
-) -> Result<BTreeMap<u64, (Response, Vec<OwnedFd>)>, VmError> {
+) -> Result<BTreeMap<u64, (Response, Vec<OwnedFd>)>, wire::WireError> {
     let n = reqs.len();
     let ids: Vec<u64> = reqs.iter().map(|(id, _)| *id).collect();
     for (id, req) in reqs {
-        wire::send(sock, &ToVm { id, req }, &[]).map_err(wire_err)?;
+        wire::send(sock, &ToVm { id, req }, &[])?;
     }
     let mut out = BTreeMap::new();
+    let lost = |why: &str| wire::WireError::Io(std::io::Error::other(why.to_string()));
     while out.len() < n {
         // As long as any request (a loaded host, and up to eight adoptions
         // at once).
         if !readable(sock.as_fd(), Duration::from_secs(8)) {
-            return Err(wire_err("no answer"));
+            return Err(lost("no answer"));
         }
-        match wire::recv::<FromVm>(sock).map_err(wire_err)? {
+        match wire::recv::<FromVm>(sock)? {
             Some((FromVm::Reply { id, resp }, fds)) if ids.contains(&id) => {
                 out.insert(id, (resp, fds));
             }
             Some(_) => {}
-            None => return Err(wire_err("the VM process closed the connection")),
+            None => return Err(lost("the VM process closed the connection")),
         }
     }
     Ok(out)
@@ -66,6 +69,11 @@ pub enum Adopted {
     Running(Arc<RemoteVm>, Vec<HostFile>),
     /// No process (or another run): how the VM ended, if known.
     Gone(ExitReason),
+    /// The process runs the VM but speaks another protocol version: not
+    /// adopted ([`ExitReason::NotAdopted`], naming both versions). It runs
+    /// on unsupervised; its control socket is left alone, and the state
+    /// keeps its record for a daemon of its version.
+    Refused(ExitReason),
 }
 
 /// Re-adopts VM `name`, run `nonce` (pid `pid` when last seen), from state
@@ -104,6 +112,20 @@ pub fn adopt(
     // if it is another run).
     let mut answers = match ask_all(&sock, vec![(1, Request::Status), (2, Request::Files)]) {
         Ok(a) => a,
+        // Before any of its answer is read: nothing of it is believed.
+        Err(wire::WireError::Version { ours, theirs }) => {
+            let why = format!(
+                "it speaks VM-process protocol version {theirs}; this daemon speaks version {ours}. \
+                 It runs on unsupervised (its shares are not enforced, its last limits hold) \
+                 until a daemon of its version adopts it, or it is stopped from the guest or killed"
+            );
+            tracing::warn!(vm = name, pid, "its VM process is not adopted: {why}");
+            return Adopted::Refused(ExitReason::NotAdopted {
+                pid,
+                nonce: nonce.to_string(),
+                why,
+            });
+        }
         Err(_) => return gone("its control socket does not answer".into()),
     };
     let status: Status = match answers.remove(&1) {
@@ -221,4 +243,40 @@ pub fn stop_strays(dir: &Path, known: &[String]) -> usize {
         }
     }
     n
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A VM process of version 1 answers the re-adopting daemon's first
+    /// request (which it cannot read: `version` is no field of its `ToVm`)
+    /// with an error reply without a header, then answers `status` and
+    /// `files`: the daemon stops at the first answer's header, a typed
+    /// error naming both versions, and believes none of it.
+    #[test]
+    fn a_version_1_vm_process_is_refused_at_its_first_answer() {
+        let (daemon, vm) = wire::pair().unwrap();
+        let fake = std::thread::spawn(move || {
+            let mut buf = [0u8; 4096];
+            for _ in 0..2 {
+                let _ = rustix::net::recv(&vm, &mut buf, rustix::net::RecvFlags::empty());
+            }
+            for m in [
+                r#"{"reply":{"id":0,"resp":{"error":{"message":"VM process protocol: unknown field `version`","kind":"other"}}}}"#,
+                r#"{"reply":{"id":1,"resp":{"status":{"name":"a","nonce":"n","pid":1,"paused":false,"parked":false,"unsupervised":true,"exit":null,"vcpu_tids":[],"device_tid":null,"uptime_secs":1.0}}}}"#,
+                r#"{"reply":{"id":2,"resp":{"files":[]}}}"#,
+            ] {
+                let _ = rustix::net::send(&vm, m.as_bytes(), rustix::net::SendFlags::empty());
+            }
+            vm
+        });
+        let r = ask_all(&daemon, vec![(1, Request::Status), (2, Request::Files)]);
+        assert!(
+            matches!(r, Err(wire::WireError::Version { ours: 2, theirs: 1 })),
+            "{:?}",
+            r.map(|m| m.len())
+        );
+        drop(fake.join());
+    }
 }

@@ -7,6 +7,14 @@
 //! answers [`FromVm::Started`] (or `StartFailed`), then a `Reply` per
 //! request whose `id` is not 0, and pushes `Console` output and, once,
 //! `Exited`. Unknown fields and unknown versions are refused.
+//!
+//! Every message begins with its version header (`"version"`, the first
+//! key: [`super::wire`]), checked before anything else of the message is
+//! decoded. Version 2 is version 1 of session 5 renumbered, whose messages
+//! had changed under the same number (no `park`/`unpark`, a scheduler gate
+//! fd in `Hello` and after `files`, class pages): a version-1 VM process a
+//! new daemon finds after an upgrade is refused with both versions named
+//! (and reported not adopted), never half-understood.
 
 use std::path::PathBuf;
 
@@ -15,8 +23,9 @@ use serde::{Deserialize, Serialize};
 use crate::vm::ExitReason;
 use corral_devices::virtio::blk::{BlockStatsSnapshot, IoEngine};
 
-/// The protocol's version; a VM process refuses any other.
-pub const PROTOCOL_VERSION: u32 = 1;
+/// The protocol's version; either end refuses a message of any other
+/// (the header [`super::wire::send`] writes first in every message).
+pub const PROTOCOL_VERSION: u32 = 2;
 
 /// Largest datagram either side sends or accepts.
 pub const MAX_MESSAGE: usize = 256 * 1024;
@@ -25,12 +34,12 @@ pub const MAX_MESSAGE: usize = 256 * 1024;
 pub const CONSOLE_CHUNK: usize = 16 * 1024;
 
 /// The configuration message, the first one on the socket; its files
-/// travel as SCM_RIGHTS, indexed by the `fd` fields.
+/// travel as SCM_RIGHTS, indexed by the `fd` fields. On the wire
+/// `{"version":2,"vm":{..}}`: the version header is where version 1's
+/// `Hello` had its `version` field.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Hello {
-    /// Must be [`PROTOCOL_VERSION`].
-    pub version: u32,
     /// The VM.
     pub vm: VmSpec,
 }

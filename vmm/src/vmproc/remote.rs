@@ -17,9 +17,7 @@ use corral_scheduler::Gate;
 
 use super::hostids::{HostIds, host_ids};
 use super::launcher::Launcher;
-use super::proto::{
-    FromVm, GroupSpec, Hello, PROTOCOL_VERSION, Request, Response, Stats, Status, ToVm, VmSpec,
-};
+use super::proto::{FromVm, GroupSpec, Hello, Request, Response, Stats, Status, ToVm, VmSpec};
 use super::wire;
 use crate::hostfile::HostFile;
 use crate::util::lock;
@@ -126,10 +124,7 @@ impl RemoteVm {
             e
         };
         spawned(pid).map_err(fail)?;
-        let hello = Hello {
-            version: PROTOCOL_VERSION,
-            vm,
-        };
+        let hello = Hello { vm };
         wire::send(&ours, &hello, files).map_err(|e| fail(wire_err(e)))?;
         if !readable(ours.as_fd(), START_TIMEOUT) {
             return Err(fail(wire_err(
@@ -147,6 +142,14 @@ impl RemoteVm {
                     .exit_status(pid, Duration::from_secs(1))
                     .unwrap_or_else(|| "no status".into());
                 return Err(wire_err(format!("the VM process ended at start ({how})")));
+            }
+            // A VM process of another version (its binary is not the
+            // daemon's): it said so in its first message's header, or by
+            // having none (version 1).
+            Err(wire::WireError::Version { ours, theirs }) => {
+                return Err(fail(VmError::Config(format!(
+                    "the VM process speaks protocol version {theirs}; this daemon speaks version {ours}"
+                ))));
             }
             Err(e) => return Err(fail(wire_err(e))),
         };

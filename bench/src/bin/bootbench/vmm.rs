@@ -10,7 +10,7 @@ use std::os::fd::{AsFd, FromRawFd, OwnedFd};
 use std::time::Instant;
 
 use corral_vmm::vmproc::nspool::NsPool;
-use corral_vmm::vmproc::proto::{FromVm, Hello, JailParams, PROTOCOL_VERSION, VmSpec};
+use corral_vmm::vmproc::proto::{FromVm, Hello, JailParams, VmSpec};
 use corral_vmm::vmproc::spawn::{SpawnOpts, spawn_vm_process};
 use corral_vmm::vmproc::wire;
 
@@ -119,10 +119,7 @@ fn one_as(vcpus: u8, memory_mib: u64, how: Start, n: usize) -> (f64, u64, super:
     });
     wire::send(
         &ours,
-        &Hello {
-            version: PROTOCOL_VERSION,
-            vm: spec,
-        },
+        &Hello { vm: spec },
         &[gate_fd.as_fd()],
     )
     .expect("send the configuration");

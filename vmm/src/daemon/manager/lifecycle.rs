@@ -13,6 +13,7 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use super::{Entry, Manager, ManagerError, VmInfo, lock};
+use crate::vm::ExitReason;
 
 /// Longest graceful shutdown a client may ask for.
 pub const MAX_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(600);
@@ -113,8 +114,15 @@ impl Manager {
                 .get(name)
                 .cloned()
                 .ok_or_else(|| ManagerError::NotFound(format!("no VM named {name:?}")))?;
-            if e.handle.exit_reason().is_none() {
-                return Err(ManagerError::Conflict(format!("VM {name:?} is running")));
+            match e.handle.exit_reason() {
+                None => return Err(ManagerError::Conflict(format!("VM {name:?} is running"))),
+                // A second process would run the same VM beside it.
+                Some(r @ ExitReason::NotAdopted { pid, .. })
+                    if std::path::Path::new(&format!("/proc/{pid}")).exists() =>
+                {
+                    return Err(ManagerError::Conflict(format!("VM {name:?}: {r}")));
+                }
+                Some(_) => {}
             }
             st.vms.remove(name);
             e

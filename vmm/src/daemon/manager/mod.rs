@@ -137,7 +137,8 @@ impl Entry {
                     ExitReason::Stopped | ExitReason::DaemonRestarted => VmState::Stopped,
                     ExitReason::Fatal { .. }
                     | ExitReason::ThreadFault { .. }
-                    | ExitReason::ProcessGone { .. } => VmState::Failed,
+                    | ExitReason::ProcessGone { .. }
+                    | ExitReason::NotAdopted { .. } => VmState::Failed,
                 };
                 (s, Some(r))
             }

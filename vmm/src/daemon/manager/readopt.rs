@@ -19,6 +19,8 @@ impl Manager {
     /// those adopted.
     pub(super) fn readopt(&self, file: &StateFile) -> BTreeSet<String> {
         let mut adopted = BTreeSet::new();
+        // Running, but of another protocol version: not adopted, not strays.
+        let mut refused = Vec::new();
         let (Some(p), Some(dir)) = (&self.cfg.vm_processes, &self.cfg.state_dir) else {
             return adopted;
         };
@@ -96,6 +98,15 @@ impl Manager {
                         Err(_) => continue,
                     }
                 }
+                // Shown `failed` with the reason (`not_adopted`), and the
+                // state keeps its process record (`state.rs`).
+                Adopted::Refused(reason) => {
+                    refused.push(v.name.clone());
+                    match VmHandle::defined(&v.name, reason) {
+                        Ok(h) => VmRun::Local(h),
+                        Err(_) => continue,
+                    }
+                }
             };
             let reaped = !matches!(run, VmRun::Remote(_));
             let entry = Entry::new(
@@ -110,7 +121,7 @@ impl Manager {
                 .vms
                 .insert(v.name.clone(), Arc::new(entry));
         }
-        let known: Vec<String> = adopted.iter().cloned().collect();
+        let known: Vec<String> = adopted.iter().cloned().chain(refused).collect();
         let strays = stop_strays(dir, &known);
         tracing::info!(
             adopted = adopted.len(),

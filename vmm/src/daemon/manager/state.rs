@@ -114,14 +114,17 @@ impl Manager {
                     cmdline: r.cmdline.clone(),
                     disks: lock(&e.disks).iter().map(|d| d.config.clone()).collect(),
                     running: p.wanted.contains(&e.name),
-                    process: e
-                        .handle
-                        .remote()
-                        .filter(|_| e.handle.exit_reason().is_none())
-                        .map(|r| SavedProcess {
+                    process: match e.handle.exit_reason() {
+                        // Kept for a daemon that speaks its version.
+                        Some(ExitReason::NotAdopted { pid, nonce, .. }) => {
+                            Some(SavedProcess { pid, nonce })
+                        }
+                        Some(_) => None,
+                        None => e.handle.remote().map(|r| SavedProcess {
                             pid: r.pid(),
                             nonce: r.nonce().to_string(),
                         }),
+                    },
                 }
             })
             .collect();

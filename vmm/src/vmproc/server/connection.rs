@@ -51,6 +51,28 @@ impl VmProcess {
                     }
                 }
                 Ok(None) => break,
+                // A daemon of another version (one that re-adopts the
+                // process after an up- or downgrade): refused in the
+                // framing it reads, and the connection closed; the process
+                // goes on as it was (unsupervised, if it was).
+                Err(wire::WireError::Version { ours, theirs }) => {
+                    let message = format!(
+                        "this VM process speaks protocol version {ours}; the daemon speaks version {theirs}: not adopted"
+                    );
+                    tracing::warn!(vm = self.handle.name(), "{message}");
+                    wire::refuse(
+                        &*sock,
+                        theirs,
+                        &FromVm::Reply {
+                            id: 0,
+                            resp: Response::Error {
+                                message,
+                                kind: Default::default(),
+                            },
+                        },
+                    );
+                    break;
+                }
                 Err(e) => {
                     tracing::warn!(vm = self.handle.name(), "bad request: {e}");
                     let _ = wire::send(

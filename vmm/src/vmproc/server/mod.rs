@@ -21,12 +21,11 @@ use std::collections::BTreeMap;
 use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use corral_blkthrottle::ThrottleGroup;
 use corral_scheduler::Gate;
 
-use super::proto::{FromVm, Hello, PROTOCOL_VERSION};
+use super::proto::{FromVm, Hello};
 use super::wire;
 use crate::handle::VmHandle;
 use connection::Link;
@@ -75,18 +74,31 @@ fn start_failed(sock: &OwnedFd, why: impl std::fmt::Display) -> VmProcessError {
 /// inherited as `sock`); `builtin` is the binary's built-in guest. Returns
 /// when the VM has ended, with the exit status for the process.
 pub fn run(sock: OwnedFd, builtin: Arc<[u8]>) -> Result<i32, VmProcessError> {
-    let (hello, fds): (Hello, Vec<OwnedFd>) = wire::recv(&sock)?
-        .ok_or_else(|| VmProcessError::Config("the daemon closed the socket".into()))?;
+    let (hello, fds): (Hello, Vec<OwnedFd>) = match wire::recv(&sock) {
+        Ok(Some(m)) => m,
+        Ok(None) => {
+            return Err(VmProcessError::Config(
+                "the daemon closed the socket".into(),
+            ));
+        }
+        // Another version's daemon: told in the framing it reads, before
+        // anything of its configuration is looked at.
+        Err(wire::WireError::Version { ours, theirs }) => {
+            let message = format!(
+                "the daemon speaks protocol version {theirs}; this corral vmm speaks version {ours}"
+            );
+            wire::refuse(
+                &sock,
+                theirs,
+                &FromVm::StartFailed {
+                    message: message.clone(),
+                },
+            );
+            return Err(VmProcessError::Config(message));
+        }
+        Err(e) => return Err(e.into()),
+    };
     crate::boottrace::step("vmm-hello");
-    if hello.version != PROTOCOL_VERSION {
-        return Err(start_failed(
-            &sock,
-            format!(
-                "protocol version {} is not supported: this corral vmm speaks version {PROTOCOL_VERSION}",
-                hello.version
-            ),
-        ));
-    }
     let spec = hello.vm;
     let config::Configured {
         cfg,
@@ -98,7 +110,7 @@ pub fn run(sock: OwnedFd, builtin: Arc<[u8]>) -> Result<i32, VmProcessError> {
     // Test-only: a VM process slow to get here (its daemon may die first).
     #[cfg(debug_assertions)]
     if crate::seccomp::fault::injected("vmproc-slow-start", &spec.name) {
-        std::thread::sleep(Duration::from_secs(3));
+        std::thread::sleep(std::time::Duration::from_secs(3));
     }
     let listener = match &spec.control_socket {
         Some(path) => match wire::listen(path).inspect(|_| {
@@ -218,4 +230,33 @@ pub fn run(sock: OwnedFd, builtin: Arc<[u8]>) -> Result<i32, VmProcessError> {
         stats: Box::new(vm.stats()),
     });
     Ok(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A daemon of version 1 (its `Hello` begins with `version: 1`) is
+    /// told why in its own framing (a `StartFailed` without a header,
+    /// naming both versions), and nothing of its configuration is used.
+    #[test]
+    fn a_version_1_daemon_is_refused_in_its_framing() {
+        let (daemon, vm) = wire::pair().unwrap();
+        rustix::net::send(
+            &daemon,
+            br#"{"version":1,"vm":{"name":"x","park":true}}"#,
+            rustix::net::SendFlags::empty(),
+        )
+        .unwrap();
+        let e = run(vm, Arc::from(&b""[..])).unwrap_err().to_string();
+        assert!(e.contains("version 1") && e.contains("version 2"), "{e}");
+        let mut buf = [0u8; 1024];
+        let n = rustix::net::recv(&daemon, &mut buf, rustix::net::RecvFlags::empty())
+            .unwrap()
+            .0;
+        let v: serde_json::Value = serde_json::from_slice(&buf[..n]).unwrap();
+        assert!(v.get("version").is_none(), "{v}");
+        let m = v["start_failed"]["message"].as_str().unwrap();
+        assert!(m.contains("version 1") && m.contains("version 2"), "{m}");
+    }
 }
