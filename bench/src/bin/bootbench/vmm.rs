@@ -117,12 +117,7 @@ fn one_as(vcpus: u8, memory_mib: u64, how: Start, n: usize) -> (f64, u64, super:
         drop(w);
         std::thread::spawn(move || read_steps(r, m0))
     });
-    wire::send(
-        &ours,
-        &Hello { vm: spec },
-        &[gate_fd.as_fd()],
-    )
-    .expect("send the configuration");
+    wire::send(&ours, &Hello { vm: spec }, &[gate_fd.as_fd()]).expect("send the configuration");
     let up = wait_probe_up(&ours).unwrap_or_else(|e| {
         child.kill();
         panic!("corral vmm: {e}")
