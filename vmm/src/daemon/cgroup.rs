@@ -395,16 +395,16 @@ impl CgroupBackend {
     /// process leaves its group a moment after the daemon sees it end (its
     /// socket closes before its tasks leave the cgroup, and a jailed one's
     /// outer process exits after its child), so a busy group is retried for
-    /// up to 200 ms.
+    /// up to [`BUSY_GROUP_WAIT`].
     pub fn remove_vm(&self, class: &str, vm: &str) -> Result<(), CgroupError> {
         let dir = self.vm_dir(class, vm)?;
-        let mut tries = 0;
+        let deadline = std::time::Instant::now() + BUSY_GROUP_WAIT;
         loop {
             match remove_dir_if_exists(&dir) {
                 Err(CgroupError::Io { err, .. })
-                    if err.raw_os_error() == Some(libc::EBUSY) && tries < 100 =>
+                    if err.raw_os_error() == Some(libc::EBUSY)
+                        && std::time::Instant::now() < deadline =>
                 {
-                    tries += 1;
                     std::thread::sleep(std::time::Duration::from_millis(2));
                 }
                 r => return r,
@@ -456,6 +456,12 @@ pub fn group_usage_ns(dir: &Path) -> Option<u64> {
     }
     Some(ns)
 }
+
+/// How long a VM's group that is still busy (its process has not left it
+/// yet) is retried before it is left for the next daemon's prune: 200 ms
+/// was too short on a loaded 2-CPU host (the group outlived a daemon's exit
+/// in `cgroup_proc::groups_survive_a_daemon_kill9_and_stale_ones_are_removed`).
+const BUSY_GROUP_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 
 impl CgroupBackend {
     /// Removes every group of this instance that holds no task (and the
