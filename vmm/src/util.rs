@@ -1,12 +1,38 @@
 //! Small helpers used by several of the VMM's modules.
 
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Condvar, Mutex, MutexGuard};
+use std::time::Instant;
 
 /// Locks `m`, recovering the data of a poisoned mutex: a thread of a VM that
 /// panicked while holding a device's lock fails that VM (see
 /// [`crate::vmthread`]), and the API must still be able to read it.
 pub fn lock<T: ?Sized>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Waits on `cv` with `m` locked until `done` gives an outcome (it is
+/// asked first, then after every wake-up) or `deadline` passes (`None`).
+/// The lock is released before this returns.
+pub fn wait_until<T, R>(
+    m: &Mutex<T>,
+    cv: &Condvar,
+    deadline: Instant,
+    mut done: impl FnMut(&mut T) -> Option<R>,
+) -> Option<R> {
+    let mut st = lock(m);
+    loop {
+        if let Some(r) = done(&mut st) {
+            return Some(r);
+        }
+        let now = Instant::now();
+        if now >= deadline {
+            return None;
+        }
+        st = cv
+            .wait_timeout(st, deadline - now)
+            .unwrap_or_else(|p| p.into_inner())
+            .0;
+    }
 }
 
 /// `CLOCK_MONOTONIC` in nanoseconds: the clock of the disk throttles (the

@@ -19,7 +19,7 @@ use serde::{Deserialize, Serialize};
 use super::nspool::NsPool;
 use super::spawn::{SpawnOpts, VmChild, spawn_vm_process};
 use super::wire;
-use crate::util::lock;
+use crate::util::{lock, wait_until};
 
 /// The fd number of the socket in a child (`corral vmm --fd 3`, and the
 /// launcher's own).
@@ -172,33 +172,28 @@ impl Launcher {
         wire::send(&**s, &req, &[sock.as_fd()]).map_err(std::io::Error::other)?;
         drop(sock);
         let deadline = Instant::now() + Duration::from_secs(10);
-        let mut st = lock(&self.shared.st);
-        loop {
-            match st.replies.pop_front() {
-                Some(LauncherMsg::Spawned { pid }) => return Ok(pid),
-                Some(LauncherMsg::Failed { message }) => {
-                    return Err(std::io::Error::other(message));
-                }
-                Some(LauncherMsg::Exited { .. }) => {}
-                None if st.gone => {
-                    return Err(std::io::Error::other("the VM process launcher has exited"));
-                }
-                None => {
-                    let now = Instant::now();
-                    if now >= deadline {
-                        return Err(std::io::Error::other(
-                            "the VM process launcher did not answer",
-                        ));
+        wait_until(&self.shared.st, &self.shared.cv, deadline, |st| {
+            loop {
+                match st.replies.pop_front() {
+                    Some(LauncherMsg::Spawned { pid }) => return Some(Ok(pid)),
+                    Some(LauncherMsg::Failed { message }) => {
+                        return Some(Err(std::io::Error::other(message)));
                     }
-                    st = self
-                        .shared
-                        .cv
-                        .wait_timeout(st, deadline - now)
-                        .unwrap_or_else(|p| p.into_inner())
-                        .0;
+                    Some(LauncherMsg::Exited { .. }) => {}
+                    None if st.gone => {
+                        return Some(Err(std::io::Error::other(
+                            "the VM process launcher has exited",
+                        )));
+                    }
+                    None => return None,
                 }
             }
-        }
+        })
+        .unwrap_or_else(|| {
+            Err(std::io::Error::other(
+                "the VM process launcher did not answer",
+            ))
+        })
     }
 
     /// SIGKILLs VM process `pid` if it is the launcher's live child.
@@ -212,22 +207,13 @@ impl Launcher {
     pub fn exit_status(&self, pid: u32, timeout: Duration) -> Option<String> {
         self.start_reader();
         let deadline = Instant::now() + timeout;
-        let mut st = lock(&self.shared.st);
-        loop {
-            if let Some(h) = st.exits.remove(&pid) {
-                return Some(h);
+        wait_until(&self.shared.st, &self.shared.cv, deadline, |st| {
+            match st.exits.remove(&pid) {
+                Some(h) => Some(Some(h)),
+                None => st.gone.then_some(None),
             }
-            let now = Instant::now();
-            if st.gone || now >= deadline {
-                return None;
-            }
-            st = self
-                .shared
-                .cv
-                .wait_timeout(st, deadline - now)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
-        }
+        })
+        .flatten()
     }
 }
 

@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use rustix::thread::UnshareFlags;
 
-use crate::util::lock;
+use crate::util::{lock, wait_until};
 
 /// One set of namespaces, made for one VM process.
 #[derive(Debug)]
@@ -162,24 +162,18 @@ impl NsPool {
     /// starts as a VM created at a human pace does, with one ready).
     pub fn take_wait(&self, timeout: Duration) -> Option<Spare> {
         let deadline = Instant::now() + timeout;
-        let mut st = lock(&self.shared.st);
-        loop {
+        let got = wait_until(&self.shared.st, &self.shared.cv, deadline, |st| {
             if let Some(s) = st.ready.pop() {
                 st.last_take = Some(Instant::now());
-                drop(st);
-                self.shared.cv.notify_all();
-                return Some(s);
+                Some(Some(s))
+            } else {
+                st.failed.then_some(None)
             }
-            let now = Instant::now();
-            if st.failed || now >= deadline {
-                return None;
-            }
-            st = self
-                .shared
-                .cv
-                .wait_timeout(st, deadline - now)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
+        })
+        .flatten();
+        if got.is_some() {
+            self.shared.cv.notify_all();
         }
+        got
     }
 }

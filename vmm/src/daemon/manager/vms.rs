@@ -347,29 +347,32 @@ impl Manager {
 
     /// Pauses a VM's vCPUs (idempotent); 409 if it has stopped.
     pub fn pause_vm(&self, name: &str) -> Result<VmInfo, ManagerError> {
-        let e = self.entry(name)?;
-        if e.handle.exit_reason().is_some() {
-            return Err(ManagerError::Conflict(format!(
-                "VM {name:?} has stopped; only a running VM can be paused"
-            )));
-        }
-        if e.handle.pause() {
-            tracing::info!(vm = name, "VM paused");
-        }
-        let stats = self.sched().stats();
-        Ok(self.vm_info(&e, Some(&stats)))
+        self.set_paused(name, true)
     }
 
     /// Resumes a paused VM (idempotent); 409 if it has stopped.
     pub fn resume_vm(&self, name: &str) -> Result<VmInfo, ManagerError> {
+        self.set_paused(name, false)
+    }
+
+    /// Pauses (`pause`) or resumes a running VM's vCPUs; 409 if it has
+    /// stopped. Logs only a change.
+    fn set_paused(&self, name: &str, pause: bool) -> Result<VmInfo, ManagerError> {
         let e = self.entry(name)?;
         if e.handle.exit_reason().is_some() {
-            return Err(ManagerError::Conflict(format!(
-                "VM {name:?} has stopped; it cannot be resumed"
-            )));
+            return Err(ManagerError::Conflict(if pause {
+                format!("VM {name:?} has stopped; only a running VM can be paused")
+            } else {
+                format!("VM {name:?} has stopped; it cannot be resumed")
+            }));
         }
-        if e.handle.resume() {
-            tracing::info!(vm = name, "VM resumed");
+        let changed = if pause {
+            e.handle.pause()
+        } else {
+            e.handle.resume()
+        };
+        if changed {
+            tracing::info!(vm = name, "VM {}", if pause { "paused" } else { "resumed" });
         }
         let stats = self.sched().stats();
         Ok(self.vm_info(&e, Some(&stats)))

@@ -69,7 +69,6 @@ pub struct SavedVm {
     pub initrd: Option<PathBuf>,
     /// Kernel command line as requested.
     pub cmdline: Option<String>,
-    /// Disks.
     /// Disks (ids always set).
     pub disks: Vec<DiskRequest>,
     /// Meant to run: created or started, and not stopped, by the API.
