@@ -258,3 +258,11 @@ pub fn field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
     line.split_whitespace()
         .find_map(|kv| kv.strip_prefix(key)?.strip_prefix('='))
 }
+
+/// The integer `key=N` of a probe result line; panics, naming the key and
+/// the line, if it is missing or not a number.
+pub fn num(line: &str, key: &str) -> u64 {
+    field(line, key)
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no {key}= in {line}"))
+}

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use corral_tests::vms::field;
+use corral_tests::vms::num;
 use corral_tests::{Running, run_corral, text};
 
 const T: Duration = Duration::from_secs(120);
@@ -26,12 +26,6 @@ fn result_line(out: &str) -> String {
         .rfind(|l| l.starts_with("PROBE-RESULT mode=blk"))
         .unwrap_or_else(|| panic!("no blk result:\n{out}"))
         .to_string()
-}
-
-fn num(line: &str, key: &str) -> u64 {
-    field(line, key)
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| panic!("no {key}= in {line}"))
 }
 
 #[test]

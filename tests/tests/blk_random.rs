@@ -8,7 +8,7 @@
 
 use std::time::Duration;
 
-use corral_tests::vms::field;
+use corral_tests::vms::{field, num};
 use corral_tests::{run_corral, text};
 
 const T: Duration = Duration::from_secs(120);
@@ -64,12 +64,6 @@ fn run_check(img: &str, engine: &str, extra: &str) -> String {
         .rfind(|l| l.starts_with("PROBE-RESULT mode=blk"))
         .unwrap_or_else(|| panic!("{spec} {cmd}: no result\n{out}\n{err}"))
         .to_string()
-}
-
-fn num(line: &str, key: &str) -> u64 {
-    field(line, key)
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| panic!("no {key}= in {line}"))
 }
 
 #[test]
