@@ -192,6 +192,11 @@ impl Scheduler {
         self.policy.entitlement_pct(id)
     }
 
+    /// The demand admission counted a VM at in the last tick, percent.
+    pub fn demand_pct(&self, id: VmId) -> Option<f64> {
+        self.policy.demand_pct(id)
+    }
+
     /// One class's statistics (see [`Policy::class_stats`]) and the ticks
     /// run so far.
     pub fn class_stats(&self, name: &str) -> (u64, Option<crate::policy::ClassStats>) {

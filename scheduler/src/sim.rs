@@ -148,6 +148,34 @@ pub enum Pattern {
         /// Device-thread work per request.
         helper_ns: u64,
     },
+    /// An I/O-bound guest in a closed loop, as the probe's disk job with
+    /// `probe.qd` requests in flight behind a token-bucket limit: each
+    /// request needs `helper_ns` of the VM's device thread (the I/O; never
+    /// parked, charged to the VM, reported as a busy helper), then
+    /// `vcpu_ns` of one vCPU (the guest handles the completion and submits
+    /// the next request at once), `latency_ns` apart (the host's I/O and the
+    /// wake-up of the halted vCPU: time in flight that uses no CPU of the
+    /// VM's threads). A submitted request waits for a token: one
+    /// accrues every `interval_ns` (0 = no limit), at most `burst` are kept
+    /// (blkthrottle's default bucket is one second of the rate). A parked
+    /// vCPU submits nothing: its completions wait, the device thread runs
+    /// dry and the bucket fills, so an unpark is followed by a burst.
+    /// Latencies (admission to the vCPU's part done) are recorded; their
+    /// count is the requests completed.
+    IoLoop {
+        /// Requests in flight.
+        queue_depth: u32,
+        /// Time per token of the limit (0 = unlimited).
+        interval_ns: u64,
+        /// Bucket size, tokens.
+        burst: u32,
+        /// vCPU work per request.
+        vcpu_ns: u64,
+        /// Device-thread work per request.
+        helper_ns: u64,
+        /// Time between the device thread's part and the vCPU's.
+        latency_ns: u64,
+    },
 }
 
 /// Results for one simulated VM over the measurement window.
@@ -175,6 +203,10 @@ pub struct VmReport {
     pub latencies_ns: Vec<u64>,
     /// Entitlement at the last tick, percent.
     pub entitlement_pct: f64,
+    /// Times the policy parked it.
+    pub parks: u64,
+    /// Mean demand the policy counted it at, percent (over the ticks).
+    pub demand_pct: f64,
 }
 
 impl VmReport {
@@ -303,8 +335,22 @@ struct SimVm {
     longest_starve_ns: u64,
     job_done_ns: Option<u64>,
     latencies: Vec<u64>,
-    /// The VM's device thread ([`Pattern::Throttled`]).
+    /// The VM's device thread ([`Pattern::Throttled`], [`Pattern::IoLoop`]).
     helper: helper::Helper,
+    /// [`Pattern::IoLoop`]: requests in the device thread's hands (admission
+    /// time, device work left), FIFO.
+    device: VecDeque<(u64, f64)>,
+    /// [`Pattern::IoLoop`]: requests done by the device thread, not yet
+    /// seen by the vCPU (when they will be, admission time).
+    in_flight: VecDeque<(u64, u64)>,
+    /// [`Pattern::IoLoop`]: tokens in the bucket and when it was refilled.
+    tokens: f64,
+    refilled_ns: u64,
+    /// Parks applied in the measurement window.
+    parks: u64,
+    /// Sum of the demand the policy counted the VM at, percent, over the
+    /// window's ticks.
+    demand_sum: f64,
 }
 
 impl SimVm {
@@ -321,9 +367,10 @@ impl SimVm {
                     0
                 }
             }
-            Pattern::MostlyIdle { .. } | Pattern::Latency { .. } | Pattern::Throttled { .. } => {
-                u32::from(!self.requests.is_empty())
-            }
+            Pattern::MostlyIdle { .. }
+            | Pattern::Latency { .. }
+            | Pattern::Throttled { .. }
+            | Pattern::IoLoop { .. } => u32::from(!self.requests.is_empty()),
             Pattern::Job { .. } => self.job_left.iter().filter(|&&w| w > 0.0).count() as u32,
         }
     }
@@ -363,7 +410,62 @@ impl SimVm {
                     self.next_arrival += interval_ns.max(1);
                 }
             }
+            Pattern::IoLoop {
+                queue_depth,
+                interval_ns,
+                burst,
+                helper_ns,
+                vcpu_ns,
+                ..
+            } => {
+                while let Some(&(ready, at)) = self.in_flight.front() {
+                    if ready > t {
+                        break;
+                    }
+                    self.in_flight.pop_front();
+                    self.requests.push_back((at, vcpu_ns as f64));
+                }
+                let waiting = (queue_depth as usize)
+                    .saturating_sub(self.device.len() + self.in_flight.len() + self.requests.len());
+                let admit = if interval_ns == 0 {
+                    waiting
+                } else {
+                    let dt = t.saturating_sub(self.refilled_ns);
+                    self.tokens =
+                        (self.tokens + dt as f64 / interval_ns as f64).min(f64::from(burst.max(1)));
+                    waiting.min(self.tokens as usize)
+                };
+                self.refilled_ns = t;
+                for _ in 0..admit {
+                    self.device.push_back((t, helper_ns as f64));
+                    self.helper.left += helper_ns as f64;
+                }
+                if interval_ns != 0 {
+                    self.tokens -= admit as f64;
+                }
+            }
             _ => {}
+        }
+    }
+
+    /// [`Pattern::IoLoop`]: the device thread did `done` ns of work in the
+    /// step ending at `end`; finished requests go to the vCPU after the
+    /// latency.
+    fn device_done(&mut self, mut done: f64, end: u64) {
+        let Pattern::IoLoop { latency_ns, .. } = self.pattern else {
+            return;
+        };
+        while done > 0.0 {
+            let Some(front) = self.device.front_mut() else {
+                break;
+            };
+            let take = front.1.min(done);
+            front.1 -= take;
+            done -= take;
+            if front.1 <= 1e-9 {
+                let (at, _) = self.device.pop_front().expect("front exists");
+                self.in_flight.push_back((end + latency_ns, at));
+            }
         }
     }
 
@@ -375,7 +477,10 @@ impl SimVm {
             Pattern::Hog | Pattern::PartialHog { .. } | Pattern::Bursty { .. } => {
                 f64::from(self.runnable) * slice
             }
-            Pattern::MostlyIdle { .. } | Pattern::Latency { .. } | Pattern::Throttled { .. } => {
+            Pattern::MostlyIdle { .. }
+            | Pattern::Latency { .. }
+            | Pattern::Throttled { .. }
+            | Pattern::IoLoop { .. } => {
                 let mut budget = slice;
                 while budget > 0.0 {
                     let Some(front) = self.requests.front_mut() else {
@@ -575,6 +680,12 @@ impl Simulator {
             job_done_ns: None,
             latencies: Vec::new(),
             helper: helper::Helper::default(),
+            device: VecDeque::new(),
+            in_flight: VecDeque::new(),
+            tokens: 0.0,
+            refilled_ns: self.now,
+            parks: 0,
+            demand_sum: 0.0,
         });
         Ok(id)
     }
@@ -603,6 +714,8 @@ impl Simulator {
             vm.starve_ns = 0;
             vm.longest_starve_ns = 0;
             vm.latencies.clear();
+            vm.parks = 0;
+            vm.demand_sum = 0.0;
         }
     }
 
@@ -675,9 +788,18 @@ impl Simulator {
                     vm.parked = false;
                     vm.park_at = None;
                 }
-                Action::Park if self.config.park_latency_ns == 0 => vm.parked = true,
-                Action::Park => vm.park_at = Some(self.now + self.config.park_latency_ns),
+                Action::Park if self.config.park_latency_ns == 0 => {
+                    vm.parked = true;
+                    vm.parks += 1;
+                }
+                Action::Park => {
+                    vm.park_at = Some(self.now + self.config.park_latency_ns);
+                    vm.parks += 1;
+                }
             }
+        }
+        for vm in &mut self.vms {
+            vm.demand_sum += self.scheduler.demand_pct(vm.id).unwrap_or(0.0);
         }
     }
 
@@ -740,7 +862,8 @@ impl Simulator {
             match vm.pattern {
                 Pattern::MostlyIdle { .. }
                 | Pattern::Latency { .. }
-                | Pattern::Throttled { .. } => {
+                | Pattern::Throttled { .. }
+                | Pattern::IoLoop { .. } => {
                     let queued: f64 = vm.requests.iter().map(|r| r.1).sum();
                     if queued >= stepf {
                         spinning += 1;
@@ -785,6 +908,7 @@ impl Simulator {
         let mut parked_wanting = 0u64;
         for vm in &mut self.vms {
             let h = vm.helper.run(slice);
+            vm.device_done(h, t + step);
             vm.cpu_total += h;
             vm.cpu_ns += h;
             used += h;
@@ -841,6 +965,8 @@ impl Simulator {
                     .iter()
                     .find(|d| d.vm == vm.id)
                     .map_or(0.0, |d| d.entitlement_pct),
+                parks: vm.parks,
+                demand_pct: vm.demand_sum / self.ticks.max(1) as f64,
             })
             .collect();
         vms.sort_by_key(|v| v.id);
