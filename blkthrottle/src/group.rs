@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use crate::bucket::{Limiter, bits};
 use crate::limits::{Limits, LimitsError, NUM_BUCKETS};
 use crate::page::PageMem;
-use crate::shared::GroupBuckets;
+use crate::shared::{GroupBuckets, SlotId, SlotState};
 use crate::stats::{AtomicHistogram, Stats};
 use crate::{Nanos, OpKind, Request};
 
@@ -73,6 +73,8 @@ struct Member {
     finish: u128,
     state: State,
     waker: Option<Waker>,
+    /// Its slot in a shared page (cross-process fairness).
+    slot: Option<SlotId>,
 }
 
 /// The pure group scheduler: shared buckets plus start-time fair queuing over
@@ -116,6 +118,8 @@ pub(crate) struct GroupCore {
     window: u128,
     seq: u64,
     stats: Stats,
+    /// Slots of a shared page held by this core's members, a bit each.
+    own_slots: u64,
 }
 
 impl GroupCore {
@@ -135,16 +139,26 @@ impl GroupCore {
             window: DEFAULT_FAIRNESS_WINDOW_NS as u128 * PS,
             seq: 0,
             stats: Stats::default(),
+            own_slots: 0,
         }
     }
 
     pub(crate) fn join(&mut self, weight: u32, waker: Option<Waker>) -> u32 {
+        let mut slot = None;
+        if let GroupBuckets::Shared(s) = &self.limiter {
+            self.vclock = self.vclock.max(s.vclock());
+            slot = s.claim_slot(None);
+            if let Some(id) = slot {
+                self.own_slots |= 1 << id.index;
+            }
+        }
         let m = Member {
             weight,
             // A newcomer starts level with the others.
             finish: self.vclock,
             state: State::Idle,
             waker,
+            slot,
         };
         let idx = match self.members.iter().position(Option::is_none) {
             Some(i) => {
@@ -198,6 +212,7 @@ impl GroupCore {
             return (false, Vec::new());
         };
         let prev = std::mem::replace(&mut m.state, State::Idle);
+        self.publish(None, 0);
         match prev {
             State::Granted { .. } => (true, Vec::new()),
             State::Idle => (false, Vec::new()),
@@ -207,10 +222,50 @@ impl GroupCore {
 
     pub(crate) fn leave(&mut self, id: u32) -> Vec<Waker> {
         let (_, wakers) = self.withdraw(id);
-        if let Some(slot) = self.members.get_mut(id as usize) {
-            *slot = None;
+        if let Some(m) = self.members.get_mut(id as usize).and_then(Option::take)
+            && let (Some(slot), GroupBuckets::Shared(s)) = (m.slot, &self.limiter)
+        {
+            s.release_slot(slot);
+            self.own_slots &= !(1 << slot.index);
         }
         wakers
+    }
+
+    /// Writes the members' states into their slots of a shared page (a
+    /// no-op in one process): `polling` just polled at `now`. A member
+    /// whose slot was taken from it claims another when it polls.
+    fn publish(&mut self, polling: Option<u32>, now: Nanos) {
+        let GroupBuckets::Shared(s) = &self.limiter else {
+            return;
+        };
+        for (i, m) in self.members.iter_mut().enumerate() {
+            let Some(m) = m else { continue };
+            let polled = polling == Some(i as u32);
+            if m.slot.is_none() && polled {
+                m.slot = s.claim_slot(Some(now));
+                if let Some(id) = m.slot {
+                    self.own_slots |= 1 << id.index;
+                }
+            }
+            let Some(id) = m.slot else { continue };
+            let (tag, mask, due) = match m.state {
+                State::Idle => (m.finish, 0, now),
+                State::Pending {
+                    req, start, told, ..
+                } => (start, s.mask(&req), told),
+                State::Granted { at, mask } => (m.finish, mask, at),
+            };
+            let st = SlotState {
+                tag,
+                mask,
+                due,
+                beat: polled.then_some(now),
+            };
+            if !s.publish_slot(id, st) {
+                self.own_slots &= !(1 << id.index);
+                m.slot = None;
+            }
+        }
     }
 
     pub(crate) fn limits(&self) -> Limits {
@@ -221,13 +276,19 @@ impl GroupCore {
         self.limits = *limits;
         self.limiter.set_limits(limits, now);
         // Virtual times are in units of the old rates: start everyone level.
-        // Pending requests keep their order (their sequence numbers).
+        // Pending requests keep their order (their sequence numbers). On a
+        // shared page, level with the other processes' latest grant (a
+        // reset to 0 would put these members far ahead of them in line).
+        let base = match &self.limiter {
+            GroupBuckets::Shared(s) => s.vclock(),
+            GroupBuckets::Local(_) => 0,
+        };
         self.max_step = 0;
-        self.vclock = 0;
+        self.vclock = base;
         for m in self.members.iter_mut().flatten() {
-            m.finish = 0;
+            m.finish = base;
             if let State::Pending { start, .. } = &mut m.state {
-                *start = 0;
+                *start = base;
             }
         }
         self.waiting_wakers(None)
@@ -251,6 +312,9 @@ impl GroupCore {
         req: Request,
         now: Nanos,
     ) -> (Result<(), Nanos>, Vec<Waker>) {
+        if let GroupBuckets::Shared(s) = &self.limiter {
+            self.vclock = self.vclock.max(s.vclock());
+        }
         let lag = self.max_step.saturating_mul(2).saturating_add(self.window);
         let floor = self.vclock.saturating_sub(lag);
         let seq = self.seq;
@@ -261,6 +325,7 @@ impl GroupCore {
         match &mut m.state {
             State::Granted { .. } => {
                 m.state = State::Idle;
+                self.publish(Some(id), now);
                 return (Ok(()), Vec::new());
             }
             State::Idle => {
@@ -297,6 +362,7 @@ impl GroupCore {
                 Ok(())
             }
         };
+        self.publish(Some(id), now);
         (r, wakers)
     }
 
@@ -310,7 +376,13 @@ impl GroupCore {
         // picked up yet: they are backlogged too, their next request starts
         // at their finish tag.
         // Per bucket, since members on disjoint buckets do not compete.
-        let mut min_granted = [u128::MAX; NUM_BUCKETS];
+        // Members of other processes sharing the page that are backlogged
+        // count the same way: nobody here runs more than the window ahead
+        // of their place in line (see `crate::page`, "Fairness").
+        let mut min_granted = match &self.limiter {
+            GroupBuckets::Shared(s) => s.remote_min(now, self.own_slots),
+            GroupBuckets::Local(_) => [u128::MAX; NUM_BUCKETS],
+        };
         for (i, m) in self.members.iter().enumerate() {
             match m {
                 Some(Member {
@@ -387,7 +459,7 @@ impl GroupCore {
             if ready.is_ok() {
                 let step = self.limiter.cost_ps(mask, &req) * DEFAULT_WEIGHT as u128
                     / m.weight.max(1) as u128;
-                m.finish = start + step;
+                m.finish = start.saturating_add(step);
                 m.state = State::Granted { at: now, mask };
                 if i != polling && refused && told > now {
                     // It sleeps until `told`: let it pick the grant up now.
@@ -397,6 +469,9 @@ impl GroupCore {
                     min_granted[b] = min_granted[b].min(m.finish);
                 }
                 self.vclock = self.vclock.max(start);
+                if let GroupBuckets::Shared(s) = &self.limiter {
+                    s.raise_vclock(start);
+                }
                 self.max_step = self.max_step.max(step);
                 self.stats
                     .admitted(req.kind, req.charged_bytes(), refused.then_some(since), now);

@@ -84,8 +84,9 @@ use crate::{Nanos, Request};
 
 /// The first word of a group page ("CGRPPAGE").
 pub const GROUP_PAGE_MAGIC: u64 = 0x4547_4150_5052_4743;
-/// Layout version of [`GroupPage`]; bumped on any change.
-pub const GROUP_PAGE_VERSION: u64 = 1;
+/// Layout version of [`GroupPage`]; bumped on any change (2: the member
+/// slots of cross-process fairness).
+pub const GROUP_PAGE_VERSION: u64 = 2;
 /// Bytes a [`GroupPage`] needs (it fits in one 4 KiB page).
 pub const GROUP_PAGE_LEN: usize = std::mem::size_of::<GroupPage>();
 const _: () = assert!(GROUP_PAGE_LEN <= 4096);
@@ -102,6 +103,23 @@ pub const CAS_TRIES: usize = 64;
 /// or the compare-and-swaps kept failing), poll again this much later.
 pub const RETRY_NS: Nanos = 50_000;
 
+/// Member slots in a page: disks of the group (in any process) that take
+/// part in its cross-process fairness. A disk that finds none free (nor
+/// reclaimable) is served first-come against the others.
+pub const SLOTS: usize = 64;
+/// A slot whose member was due to poll more than this long ago stops
+/// holding the others back (its process is stalled or dead). While it
+/// holds them back the bucket fills for it; with a bucket of at least
+/// this much of the rate (the default is a second) no rate is lost.
+pub const SLOT_STALE_NS: Nanos = 10_000_000;
+/// A member's announced next poll counts at most this far after its last
+/// poll (a garbage or dead `due` cannot hold the others back for longer).
+pub const SLOT_MAX_DUE_NS: Nanos = 1_000_000_000;
+/// A slot not counting and not polled for this long may be taken by a new
+/// member (its owner is gone; if it is not, it claims another at its next
+/// poll).
+pub const SLOT_RECLAIM_NS: Nanos = 1_000_000_000;
+
 /// Number of words of [`Limits`] in the page.
 const LIMIT_WORDS: usize = 10;
 
@@ -115,6 +133,59 @@ pub(crate) struct PageBucket {
     _pad: AtomicU64,
 }
 
+/// One member's slot: its head request's start tag (virtual time, ps) and
+/// buckets while it is backlogged, and when it polled and will poll.
+#[repr(C)]
+pub(crate) struct PageSlot {
+    /// Start tag of the head request (or the finish tag of a grant not yet
+    /// picked up): the member's place in line.
+    pub(crate) tag: AtomicI128,
+    /// 0 = free, else the owning member's claim token.
+    pub(crate) owner: AtomicU64,
+    /// Buckets of its head request; 0 = not backlogged.
+    pub(crate) mask: AtomicU64,
+    /// The instant it was told to poll again.
+    pub(crate) due: AtomicU64,
+    /// Its last poll.
+    pub(crate) beat: AtomicU64,
+}
+
+impl PageSlot {
+    const fn new() -> PageSlot {
+        PageSlot {
+            tag: AtomicI128::new(0),
+            owner: AtomicU64::new(0),
+            mask: AtomicU64::new(0),
+            due: AtomicU64::new(0),
+            beat: AtomicU64::new(0),
+        }
+    }
+
+    /// Whether it holds the others back at `now`: backlogged, and its
+    /// member polled recently and is not overdue by more than
+    /// [`SLOT_STALE_NS`]. Its buckets, or 0.
+    pub(crate) fn counts(&self, now: Nanos) -> u8 {
+        let mask = self.mask.load(SeqCst);
+        if mask == 0 {
+            return 0;
+        }
+        let beat = self.beat.load(SeqCst);
+        if beat > now.saturating_add(MAX_SKEW_NS) {
+            // A poll in the future is garbage: it would count for ever.
+            return 0;
+        }
+        let due = self
+            .due
+            .load(SeqCst)
+            .max(beat)
+            .min(beat.saturating_add(SLOT_MAX_DUE_NS));
+        if now > due.saturating_add(SLOT_STALE_NS) {
+            return 0;
+        }
+        (mask & 0xff) as u8
+    }
+}
+
 /// The shared state of one throttle group. `repr(C)`, atomics only: any
 /// bit pattern is a valid value (see the module docs for who writes what).
 ///
@@ -123,6 +194,7 @@ pub(crate) struct PageBucket {
 /// | `magic`, `version`, `epoch` | owner, at creation |
 /// | `seq`, `limits` | owner |
 /// | `latest`, buckets | every handle (the owner re-encodes the buckets on a limit change) |
+/// | `vclock`, `slots_hi`, `slots` | every handle (each member its own slot) |
 /// | `stats` | every handle; read by the owner |
 #[repr(C)]
 pub struct GroupPage {
@@ -140,6 +212,12 @@ pub struct GroupPage {
     pub(crate) buckets: [PageBucket; NUM_BUCKETS],
     /// The group's counters, summed over all processes.
     pub(crate) stats: SharedStats,
+    /// The largest start tag granted (virtual time, ps), all processes.
+    pub(crate) vclock: AtomicI128,
+    /// One past the highest slot ever claimed (bounds the scans).
+    pub(crate) slots_hi: AtomicU64,
+    /// The members' slots (cross-process fairness, see the module docs).
+    pub(crate) slots: [PageSlot; SLOTS],
 }
 
 impl Default for GroupPage {
@@ -167,6 +245,9 @@ impl GroupPage {
                 }
             }; NUM_BUCKETS],
             stats: SharedStats::default(),
+            vclock: AtomicI128::new(0),
+            slots_hi: AtomicU64::new(0),
+            slots: [const { PageSlot::new() }; SLOTS],
         }
     }
 
@@ -230,6 +311,41 @@ impl GroupPage {
                 SeqCst,
             );
             b.one_time.store(next() >> (next() % 64), SeqCst);
+        }
+        self.scribble_slots(next(), 0);
+    }
+
+    /// Garbage into the fairness state only: the virtual clock and every
+    /// slot, their instants often within 2 s of `around` (tests of what a
+    /// peer can do).
+    #[doc(hidden)]
+    pub fn scribble_slots(&self, mut seed: u64, around: Nanos) {
+        let mut next = || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        let wide = |a: u64, b: u64, c: u64| ((a as i128) << 64 | b as i128) >> (c % 128);
+        self.vclock.store(wide(next(), next(), next()), SeqCst);
+        self.slots_hi.store(next() >> (next() % 64), SeqCst);
+        for s in &self.slots {
+            s.tag.store(wide(next(), next(), next()), SeqCst);
+            s.owner.store(next() >> (next() % 64), SeqCst);
+            s.mask.store(next() >> (next() % 64), SeqCst);
+            let mut instant = || {
+                let x = next();
+                if x & 1 == 0 {
+                    around
+                        .wrapping_add(x % 4_000_000_000)
+                        .wrapping_sub(2_000_000_000)
+                } else {
+                    x >> (x % 64)
+                }
+            };
+            let (due, beat) = (instant(), instant());
+            s.due.store(due, SeqCst);
+            s.beat.store(beat, SeqCst);
         }
     }
 }

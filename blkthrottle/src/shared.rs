@@ -2,7 +2,7 @@
 //! shared by several processes (see [`crate::page`] for the algorithm, the
 //! garbage bound and who writes what), and the group handles over one.
 
-use std::sync::atomic::{AtomicI64, Ordering::SeqCst};
+use std::sync::atomic::{AtomicI64, AtomicU32, Ordering::SeqCst};
 use std::sync::{Arc, Mutex};
 
 use portable_atomic::AtomicI128;
@@ -12,7 +12,7 @@ use crate::group::{GroupCore, GroupShared, ThrottleGroup};
 use crate::limits::{BucketConfig, Limits, NUM_BUCKETS};
 use crate::page::{
     CAS_TRIES, GROUP_PAGE_MAGIC, GROUP_PAGE_VERSION, GroupPage, MAX_SKEW_NS, PageError, PageMem,
-    RETRY_NS, level, need, threshold, wait_ns,
+    RETRY_NS, SLOT_RECLAIM_NS, SLOTS, level, need, threshold, wait_ns,
 };
 use crate::{Nanos, OpKind, Request};
 
@@ -27,6 +27,35 @@ pub(crate) struct SharedLimiter {
     cfgs: [Option<BucketConfig>; NUM_BUCKETS],
     page_configured: u8,
     epoch: Nanos,
+}
+
+/// Claim tokens of this process's members: the process id and a counter,
+/// so two members (of any processes) never hold the same token.
+static NEXT_TOKEN: AtomicU32 = AtomicU32::new(1);
+
+fn new_token() -> u64 {
+    let n = NEXT_TOKEN.fetch_add(1, SeqCst);
+    ((std::process::id() as u64) << 32 | n as u64).max(1)
+}
+
+/// A member's slot in the page: its index and claim token.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct SlotId {
+    pub(crate) index: usize,
+    pub(crate) token: u64,
+}
+
+/// What a member publishes in its slot.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct SlotState {
+    /// Its place in line (virtual time, ps).
+    pub(crate) tag: u128,
+    /// Buckets of its head request; 0 = not backlogged.
+    pub(crate) mask: u8,
+    /// When it will poll next.
+    pub(crate) due: Nanos,
+    /// When it polled, if it just did.
+    pub(crate) beat: Option<Nanos>,
 }
 
 /// One bucket as read for a decision.
@@ -80,6 +109,12 @@ impl SharedLimiter {
             let (z, ot) = cfg.map_or((0, 0), |c| (-(c.size as i128 * SCALE), c.one_time));
             b.z.store(z, SeqCst);
             b.one_time.store(ot, SeqCst);
+        }
+        p.vclock.store(0, SeqCst);
+        p.slots_hi.store(0, SeqCst);
+        for sl in &p.slots {
+            sl.mask.store(0, SeqCst);
+            sl.owner.store(0, SeqCst);
         }
         p.version.store(GROUP_PAGE_VERSION, SeqCst);
         p.magic.store(GROUP_PAGE_MAGIC, SeqCst);
@@ -360,6 +395,104 @@ impl SharedLimiter {
         }
         p.seq.store(s.wrapping_add(2), SeqCst);
         self.refresh();
+    }
+
+    /// Claims a slot for a new member: a free one, else one whose member
+    /// neither counts nor polled for [`SLOT_RECLAIM_NS`] (its process is
+    /// gone). `None` if all are taken: the member is then served
+    /// first-come against the others.
+    pub(crate) fn claim_slot(&self, now: Option<Nanos>) -> Option<SlotId> {
+        let p = self.page();
+        let now = now.unwrap_or_else(|| p.latest.load(SeqCst));
+        let token = new_token();
+        for reclaim in [false, true] {
+            for (index, sl) in p.slots.iter().enumerate() {
+                let o = sl.owner.load(SeqCst);
+                let take = if reclaim {
+                    o != 0
+                        && sl.counts(now) == 0
+                        && now > sl.beat.load(SeqCst).saturating_add(SLOT_RECLAIM_NS)
+                } else {
+                    o == 0
+                };
+                if take && sl.owner.compare_exchange(o, token, SeqCst, SeqCst).is_ok() {
+                    sl.mask.store(0, SeqCst);
+                    sl.beat.store(now, SeqCst);
+                    sl.due.store(now, SeqCst);
+                    p.slots_hi.fetch_max(index as u64 + 1, SeqCst);
+                    return Some(SlotId { index, token });
+                }
+            }
+        }
+        None
+    }
+
+    /// Gives a slot back (the member leaves the group).
+    pub(crate) fn release_slot(&self, id: SlotId) {
+        let Some(sl) = self.page().slots.get(id.index) else {
+            return;
+        };
+        if sl.owner.load(SeqCst) == id.token {
+            sl.mask.store(0, SeqCst);
+        }
+        let _ = sl.owner.compare_exchange(id.token, 0, SeqCst, SeqCst);
+    }
+
+    /// Writes a member's state into its slot; false if the slot is no
+    /// longer its own (reclaimed, or garbage in its owner word).
+    pub(crate) fn publish_slot(&self, id: SlotId, st: SlotState) -> bool {
+        let Some(sl) = self.page().slots.get(id.index) else {
+            return false;
+        };
+        if sl.owner.load(SeqCst) != id.token {
+            return false;
+        }
+        sl.tag.store(st.tag.min(i128::MAX as u128) as i128, SeqCst);
+        sl.due.store(st.due, SeqCst);
+        if let Some(b) = st.beat {
+            sl.beat.store(b, SeqCst);
+        }
+        sl.mask.store(st.mask as u64, SeqCst);
+        // Raised again in case a peer lowered it.
+        self.page().slots_hi.fetch_max(id.index as u64 + 1, SeqCst);
+        true
+    }
+
+    /// Per bucket, the smallest tag among the slots that hold the others
+    /// back at `now` (backlogged, polled recently, not overdue), except those in
+    /// `own` (a bit per slot index: this process's members, which the
+    /// group core orders itself). `u128::MAX` where none.
+    pub(crate) fn remote_min(&self, now: Nanos, own: u64) -> [u128; NUM_BUCKETS] {
+        let mut min = [u128::MAX; NUM_BUCKETS];
+        let p = self.page();
+        let hi = usize::try_from(p.slots_hi.load(SeqCst)).map_or(SLOTS, |h| h.min(SLOTS));
+        let all = (1u8 << NUM_BUCKETS) - 1;
+        for (i, sl) in p.slots[..hi].iter().enumerate() {
+            if own >> i & 1 == 1 {
+                continue;
+            }
+            let mask = sl.counts(now) & all;
+            if mask == 0 {
+                continue;
+            }
+            let tag = sl.tag.load(SeqCst).max(0) as u128;
+            for b in bits(mask) {
+                min[b] = min[b].min(tag);
+            }
+        }
+        min
+    }
+
+    /// The largest start tag granted in any process.
+    pub(crate) fn vclock(&self) -> u128 {
+        self.page().vclock.load(SeqCst).max(0) as u128
+    }
+
+    /// Publishes a granted start tag.
+    pub(crate) fn raise_vclock(&self, v: u128) {
+        self.page()
+            .vclock
+            .fetch_max(v.min(i128::MAX as u128) as i128, SeqCst);
     }
 
     /// Counts an admission in the page's counters.

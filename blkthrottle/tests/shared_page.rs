@@ -3,15 +3,22 @@
 //! exactly what one group admits; the window bound holds for their sum, also
 //! with threads racing on the page; a peer scribbling the page cannot make a
 //! handle panic or admit beyond the group's limits for its own disks; live
-//! limit changes by the owner reach the peers.
+//! limit changes by the owner reach the peers. Fairness across the handles
+//! (as across processes): weights split the page's rate, a large request is
+//! not passed for ever by another handle's small ones, a member that stops
+//! polling holds the others back for a bounded time, its slot is reclaimed,
+//! and garbage in the slot table neither lifts a handle over the limits nor
+//! stops it.
 
 mod common;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use common::*;
+use corral_blkthrottle::page::{SLOT_STALE_NS, SLOTS};
 use corral_blkthrottle::{
-    Decision, GroupPage, Limits, Nanos, PageError, PageMem, Request, Throttle, ThrottleGroup,
+    DEFAULT_FAIRNESS_WINDOW_NS, Decision, GroupPage, Limits, Nanos, PageError, PageMem, Request,
+    Throttle, ThrottleGroup,
 };
 use proptest::prelude::*;
 
@@ -67,9 +74,63 @@ fn handles(l: &Limits, n: usize) -> (Arc<GroupPage>, Vec<ThrottleGroup>) {
 }
 
 fn member(g: &ThrottleGroup) -> Throttle {
+    member_w(g, 100)
+}
+
+fn member_w(g: &ThrottleGroup, weight: u32) -> Throttle {
     let mut t = Throttle::new(&Limits::UNLIMITED, 0).unwrap();
-    t.join_group(g, 100, None).unwrap();
+    t.join_group(g, weight, None).unwrap();
     t
+}
+
+/// Disks backlogged with `reqs[i]` each, from `from` to `end`, each polling
+/// at the instants it is told (ties: the lowest index first, as if it
+/// always won the race); disk `i` stops polling at `stop[i]`. Returns each
+/// disk's admissions.
+fn backlogged(
+    ts: &mut [Throttle],
+    reqs: &[Request],
+    stop: &[Nanos],
+    from: Nanos,
+    end: Nanos,
+) -> Vec<Vec<(Nanos, Request)>> {
+    let n = ts.len();
+    let mut due = vec![from; n];
+    let mut log = vec![Vec::new(); n];
+    let mut steps = 0u64;
+    while let Some(i) = (0..n)
+        .filter(|&i| due[i] < stop[i].min(end))
+        .min_by_key(|&i| due[i])
+    {
+        steps += 1;
+        assert!(steps < 10_000_000, "no progress");
+        let now = due[i];
+        match ts[i].poll(reqs[i], now) {
+            Decision::Admit => log[i].push((now, reqs[i])),
+            Decision::Wait { until, .. } => {
+                assert!(until > now);
+                due[i] = until;
+            }
+        }
+    }
+    log
+}
+
+fn bytes(log: &[(Nanos, Request)]) -> u64 {
+    log.iter().map(|e| e.1.bytes).sum()
+}
+
+/// Bytes admitted in `[from, to)`.
+fn bytes_in(log: &[(Nanos, Request)], from: Nanos, to: Nanos) -> u64 {
+    log.iter()
+        .filter(|e| (from..to).contains(&e.0))
+        .map(|e| e.1.bytes)
+        .sum()
+}
+
+/// The fairness window as bytes at `rate` (weighted service, weight 100).
+fn window_bytes(rate: u64) -> u64 {
+    DEFAULT_FAIRNESS_WINDOW_NS * rate / S
 }
 
 proptest! {
@@ -78,13 +139,19 @@ proptest! {
     /// Two handles on one page (one disk each, polled in any interleaving,
     /// each keeping its head request until admitted) give, poll by poll,
     /// the same answers as one in-process group with one disk seeing the
-    /// same polls: the page's buckets are the crate's buckets.
+    /// same polls: the page's buckets are the crate's buckets (with the
+    /// fairness between the handles switched off; it only holds back).
     #[test]
     fn two_handles_admit_like_one_group(
         l in limits(),
         polls in prop::collection::vec((any::<bool>(), request(), prop_oneof![Just(0u64), 0u64..=2_000_000, 0u64..=200_000_000]), 1..300),
     ) {
         let (_page, gs) = handles(&l, 2);
+        // Fairness across the handles off (an unbounded window): this is
+        // about the buckets.
+        for g in &gs {
+            g.set_fairness_window(u64::MAX);
+        }
         let mut ts = [member(&gs[0]), member(&gs[1])];
         let one = ThrottleGroup::new("one", &l, 0).unwrap();
         let mut reference = member(&one);
@@ -192,6 +259,173 @@ proptest! {
         gs[0].set_limits(&l, now).unwrap();
         let _ = gs[0].stats();
     }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+    /// A peer scribbling the fairness state (the virtual clock and every
+    /// member slot, with instants near the present) between the polls of
+    /// two honest handles during their first polls: every poll answers at
+    /// once with a later instant, the sum of their admissions keeps the
+    /// crate's window bound (the buckets are untouched: slots cannot lift
+    /// anyone over the limits), and every request gets through once the
+    /// scribbling stops (a garbage slot stops counting within about a
+    /// second).
+    #[test]
+    fn garbage_in_the_slot_table_cannot_lift_or_block(
+        l in limits(),
+        reqs in prop::collection::vec(prop::collection::vec(request(), 1..40), 2),
+        seeds in prop::collection::vec(any::<u64>(), 1..50),
+        every in 1usize..=4,
+        scribbles in 0usize..=200,
+    ) {
+        let (page, gs) = handles(&l, 3);
+        let mut ts = [member(&gs[0]), member(&gs[1])];
+        let mut next = [0usize; 2];
+        let mut due: [Nanos; 2] = [0; 2];
+        let mut log: Vec<(Nanos, Request)> = Vec::new();
+        let mut k = 0usize;
+        while (0..2).any(|i| next[i] < reqs[i].len()) {
+            k += 1;
+            prop_assert!(k < 200_000, "no progress");
+            let i = (0..2).filter(|&i| next[i] < reqs[i].len()).min_by_key(|&i| due[i]).unwrap();
+            let now = due[i];
+            if k <= scribbles && k.is_multiple_of(every) {
+                page.scribble_slots(seeds[k % seeds.len()] | 1, now);
+            }
+            let r = reqs[i][next[i]];
+            match ts[i].poll(r, now) {
+                Decision::Admit => {
+                    log.push((now, r));
+                    next[i] += 1;
+                }
+                Decision::Wait { until, .. } => {
+                    prop_assert!(until > now);
+                    due[i] = until;
+                }
+            }
+        }
+        log.sort_by_key(|e| e.0);
+        check_window_bound(&l, &log, 0);
+    }
+}
+
+/// Two handles (two processes) of weights 1 and 3, backlogged with equal
+/// requests and always polling at the same instants, the weight-1 one
+/// first: they split the page's rate 1:3, their weighted service within
+/// the fairness window plus a request of each; and together they use the
+/// whole rate. First-come (before the slots) gave the first poller all of
+/// it.
+#[test]
+fn weights_1_and_3_split_the_rate_1_to_3_across_handles() {
+    let rate = 1_000_000u64;
+    let l = Limits::parse("bps=1000000,burst_bytes=65536").unwrap();
+    let (_page, gs) = handles(&l, 2);
+    let mut ts = [member_w(&gs[0], 1), member_w(&gs[1], 3)];
+    let r = Request::read(4096);
+    let log = backlogged(&mut ts, &[r, r], &[u64::MAX; 2], 0, 10 * S);
+    // Over [1 s, 10 s), both backlogged throughout (the first one to poll
+    // took the initial burst alone, as a member that was idle gets no
+    // credit for it).
+    let (a, b) = (bytes_in(&log[0], S, 10 * S), bytes_in(&log[1], S, 10 * S));
+    eprintln!("weights 1 and 3: {a} and {b} bytes in 9 s");
+    // Weighted service: bytes × 100 / weight; each end of the interval
+    // within the window plus a request of each.
+    let (sa, sb) = (a * 100, b * 100 / 3);
+    let bound = 2 * (window_bytes(rate) + 4096 * 100 + 4096 * 100 / 3);
+    assert!(
+        sa.abs_diff(sb) <= bound,
+        "weighted service {sa} vs {sb}, bound {bound}: {a} and {b} bytes"
+    );
+    assert!(a + b >= 9 * rate * 99 / 100, "{} bytes: rate lost", a + b);
+    assert!(a + b <= 9 * rate + 65536 + 4096, "{} bytes", a + b);
+}
+
+/// A handle with requests as large as the bucket and one with small ones
+/// polling first at every instant, equal weights: the small ones would
+/// keep the bucket from ever filling; the large request's place in line
+/// holds the other back (beyond the window), so they split the rate.
+#[test]
+fn a_large_request_is_not_passed_for_ever_by_another_handles_small_ones() {
+    let rate = 1_000_000u64;
+    let l = Limits::parse("bps=1000000,burst_bytes=131072").unwrap();
+    let (_page, gs) = handles(&l, 2);
+    let mut ts = [member(&gs[0]), member(&gs[1])];
+    let (small, large) = (Request::read(4096), Request::read(131072));
+    let log = backlogged(&mut ts, &[small, large], &[u64::MAX; 2], 0, 10 * S);
+    let (s, g) = (bytes_in(&log[0], S, 10 * S), bytes_in(&log[1], S, 10 * S));
+    eprintln!("4 KiB vs 128 KiB requests: {s} and {g} bytes in 9 s");
+    let bound = 2 * (window_bytes(rate) + 4096 + 131072);
+    assert!(
+        s.abs_diff(g) <= bound,
+        "small {s}, large {g} bytes: more apart than {bound}"
+    );
+    assert!(s + g >= 9 * rate * 98 / 100, "{} bytes: rate lost", s + g);
+}
+
+/// A member that stops polling (its process stalled or died) while first in
+/// line holds the other back as a live one would, until its announced poll
+/// plus `SLOT_STALE_NS`, and no longer: the other then gets the whole rate.
+#[test]
+fn a_member_that_stops_polling_holds_the_others_back_a_bounded_time() {
+    let rate = 1_000_000u64;
+    let l = Limits::parse("bps=1000000,burst_bytes=65536").unwrap();
+    let (_page, gs) = handles(&l, 2);
+    let mut dead = member(&gs[0]);
+    let mut live = [member(&gs[1])];
+    let r = Request::read(4096);
+    // The live one alone for a second, then `dead` comes with a request as
+    // large as the bucket (its place in line level with the live one's),
+    // waits, and never polls again.
+    let before = backlogged(&mut live, &[r], &[u64::MAX], 0, S);
+    let Decision::Wait { until: due, .. } = dead.poll(Request::read(65536), S) else {
+        panic!("the bucket is empty")
+    };
+    let log = backlogged(&mut live, &[r], &[u64::MAX], S, 3 * S);
+    let resumed = log[0].first().unwrap().0;
+    eprintln!("dead member due at {due} ns: the live one resumed at {resumed} ns");
+    assert!(
+        resumed >= due + SLOT_STALE_NS,
+        "{resumed} ns: a member first in line did not hold the other back"
+    );
+    assert!(
+        resumed <= due + SLOT_STALE_NS + MS,
+        "{resumed} ns: held back beyond the dead member's due {due} + {SLOT_STALE_NS} ns"
+    );
+    // What the bucket could not hold meanwhile is lost: SLOT_STALE_NS of rate.
+    let b = bytes(&before[0]) + bytes(&log[0]);
+    assert!(b >= 3 * rate * 99 / 100, "{b} bytes in 3 s: rate lost");
+}
+
+/// Every slot held by a member whose process died (they never poll nor
+/// leave): a second later, new members reclaim them and are served fairly
+/// (weights 1 and 3 split 1:3 as above).
+#[test]
+fn slots_of_dead_members_are_reclaimed() {
+    let rate = 1_000_000u64;
+    let l = Limits::parse("bps=1000000,burst_bytes=65536").unwrap();
+    let (_page, gs) = handles(&l, 3);
+    for _ in 0..SLOTS {
+        let mut t = member(&gs[2]);
+        let _ = t.poll(Request::read(4096), 0);
+        // Dies: no `leave`.
+        std::mem::forget(t);
+    }
+    let mut ts = [member_w(&gs[0], 1), member_w(&gs[1], 3)];
+    let r = Request::read(4096);
+    let log = backlogged(&mut ts, &[r, r], &[u64::MAX; 2], 2 * S, 12 * S);
+    let (a, b) = (
+        bytes_in(&log[0], 3 * S, 12 * S),
+        bytes_in(&log[1], 3 * S, 12 * S),
+    );
+    eprintln!("after {SLOTS} dead members, weights 1 and 3: {a} and {b} bytes in 9 s");
+    let (sa, sb) = (a * 100, b * 100 / 3);
+    let bound = 2 * (window_bytes(rate) + 4096 * 100 + 4096 * 100 / 3);
+    assert!(
+        sa.abs_diff(sb) <= bound,
+        "weighted service {sa} vs {sb}, bound {bound}: {a} and {b} bytes"
+    );
 }
 
 #[test]
