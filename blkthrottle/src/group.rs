@@ -532,7 +532,11 @@ pub(crate) struct GroupShared {
 /// **Wake-ups.** Every `Wait` answer is a lower bound of the instant the
 /// request can go; polling then either admits it or returns a later instant.
 /// Members never depend on each other's threads to make progress (a member
-/// first in line is granted by whichever member polls). After
+/// first in line is granted by whichever member polls). On a shared page
+/// ([`ThrottleGroup::attach`]) the members of other processes are in line
+/// too, through their slots in the page; they are not granted on behalf,
+/// and one that stops polling holds the others back for at most
+/// [`crate::page::SLOT_STALE_NS`] past its told instant. After
 /// [`ThrottleGroup::set_limits`] or when a member leaves, waiting members'
 /// [`Waker`]s are called so they can re-poll earlier.
 #[derive(Clone)]

@@ -165,8 +165,10 @@
 //! per VM): [`ThrottleGroup::new_shared`] and [`ThrottleGroup::attach`], see
 //! [`page`]. The buckets are then the same exact buckets, as a word of
 //! virtual time each, charged with compare-and-swap; fairness by start tags
-//! applies among the disks of one process, and across processes requests
-//! are served as they come.
+//! applies across the processes too (each disk's tag in a slot of the page,
+//! the same fairness-window rule), except that nobody grants on behalf of
+//! another process: a member that stops polling holds the others back for
+//! at most [`page::SLOT_STALE_NS`] past the instant it was told.
 //!
 //! # Limits
 //!

@@ -46,6 +46,35 @@
 //! poll again [`RETRY_NS`] later: a peer that keeps writing the page can
 //! slow its class down, never block a thread.
 //!
+//! # Fairness across processes
+//!
+//! Start-tag fairness spans the processes: the page holds [`SLOTS`] member
+//! slots, one per disk of the group (claimed with a compare-and-swap of its
+//! owner word when the disk joins, given back when it leaves, reclaimed by a
+//! newcomer once it has not counted nor polled for [`SLOT_RECLAIM_NS`]). At
+//! each poll a member publishes its head request's start tag (virtual time,
+//! with the page-wide `vclock` the largest start tag granted so tags of all
+//! processes are on one scale), the buckets it touches (none when it is not
+//! backlogged), the instant it was told to poll again and the instant it
+//! polled. The group core ([`crate::ThrottleGroup`]) then treats the other
+//! processes' backlogged slots as it treats its own members holding a grant
+//! not picked up: on each bucket, nobody starts a request whose tag is more
+//! than the fairness window ahead of the smallest such tag; held back, it
+//! retries half a window later. The smallest tag is never held back, so
+//! there is no cycle of waits. Grants are not made on behalf of another
+//! process (a handle cannot hand a request to another process's device),
+//! so a slot stops counting when its member is [`SLOT_STALE_NS`] past the
+//! instant it was told (or announced a poll more than [`SLOT_MAX_DUE_NS`]
+//! after its last one, or polled more than [`MAX_SKEW_NS`] in the future,
+//! i.e. garbage): a stalled or dead process holds the others back for at
+//! most that long past its due instant, while the bucket fills for its
+//! request. A disk finding no free slot is served first-come.
+//!
+//! Garbage in the slots can only reorder or hold back the class (as an
+//! empty bucket can): tags, masks and instants are clamped when read, the
+//! scans are bounded by [`SLOTS`], and the buckets, the only thing that
+//! admits, are untouched by them.
+//!
 //! # Limits and their changes
 //!
 //! The owner writes the limits into the page under a sequence word (odd
