@@ -157,8 +157,23 @@ pub struct OverheadArgs {
     /// How the probe's io job waits for completions (`probe.wait=`).
     #[arg(long, value_enum, default_value_t = ProbeWait::Irq)]
     probe_wait: ProbeWait,
+    /// How A and a candidate run: `sequential` (one after the other, A B C
+    /// then C B A) or `parallel` (at the same time, each pinned to one of
+    /// two CPUs, the CPUs swapped every round, with an A/A self-check).
+    #[arg(long, value_enum, default_value_t = Layout::Sequential)]
+    layout: Layout,
     #[command(flatten)]
     linux: linux::LinuxArgs,
+}
+
+/// How `overhead` runs A against a candidate configuration.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Layout {
+    /// One after the other on whatever CPU the host gives.
+    Sequential,
+    /// At the same time, A on one CPU and the candidate (with the manager's
+    /// own threads) on the other, swapped every round.
+    Parallel,
 }
 
 /// `corral bench interference`.

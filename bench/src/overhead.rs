@@ -7,6 +7,7 @@
 
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use corral_vmm::manager::{CpuBackend, Limits, Manager};
@@ -17,7 +18,7 @@ use super::report::{Csv, OutDir, Report, SUMMARY_HEADER, Table, summary_cells};
 use super::rounds::{self, Next, Progress};
 use super::runner::{self, Job, JobResult, Scratch};
 use super::stats::{RatioCi, Summary, diff_pct};
-use super::{BenchError, JobKind, OverheadArgs, Sizes};
+use super::{BenchError, JobKind, Layout, OverheadArgs, Sizes};
 
 struct Config {
     key: &'static str,
@@ -33,6 +34,11 @@ struct Sample {
     job: &'static str,
     config: &'static str,
     run: u32,
+    /// `--layout parallel`: the configuration an A run ran beside (`None`
+    /// for the candidate's own runs and in the sequential layout).
+    against: Option<&'static str>,
+    /// `--layout parallel`: the CPU the run was pinned to.
+    cpu: Option<usize>,
     r: JobResult,
     sched_cpu_s: f64,
     /// Seconds the whole run took (`run_job`: create, job, teardown).
@@ -101,6 +107,32 @@ pub fn run(a: OverheadArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String), Be
             limited: true,
         },
     ];
+    let parallel = a.layout == Layout::Parallel;
+    // The parallel layout's self-check: a second manager like A, run
+    // beside A exactly as B and C are.
+    let a2 = if parallel {
+        Some(Config {
+            key: "A2",
+            what: "self-check: a second manager like A (CPU backend none, no disk limits), \
+                   run beside A as B and C are",
+            mgr: runner::new_manager(CpuBackend::None, builtin, &[])?,
+            limited: false,
+        })
+    } else {
+        None
+    };
+    // The two CPUs of the parallel layout, and the mask to restore after.
+    let mask = runner::allowed_cpus()?;
+    let cpus = if parallel {
+        if mask.len() < 2 {
+            return Err(BenchError(format!(
+                "--layout parallel needs two CPUs; this process may use {mask:?}"
+            )));
+        }
+        Some((mask[0], mask[1]))
+    } else {
+        None
+    };
 
     let mut cpu_job = Job::work(sz.cpu_units, sz.unit_iters, 1).with_disk(&disk, Limits::default());
     let mut io_job =
@@ -143,7 +175,7 @@ pub fn run(a: OverheadArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String), Be
     // sizing run of the I/O job on A (a run of it with --quick) calibrates
     // C's limits (for every job: the Linux job's reads need far less than
     // the probe's read rate).
-    let per_round = (jobs.len() * configs.len()) as u64;
+    let per_round = (jobs.len() * (configs.len() + usize::from(parallel))) as u64;
     let total = per_round * (u64::from(fixed.unwrap_or(MIN_ROUNDS)) + 1) + 1;
     let pb = super::progress(total);
     let cal = match io_cal {
@@ -163,7 +195,7 @@ pub fn run(a: OverheadArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String), Be
         ..Default::default()
     };
     for (jname, job) in &jobs {
-        for c in &configs {
+        for c in configs.iter().chain(&a2) {
             pb.set_message(format!("warm-up: job {jname}, config {}", c.key));
             let j = if c.limited {
                 job.clone().with_limits(limits)
@@ -182,50 +214,86 @@ pub fn run(a: OverheadArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String), Be
     }
 
     let mut samples = Vec::new();
+    let off_cpu = AtomicUsize::new(0);
     let started = Instant::now();
     let mut run = 0;
     let mut active: Vec<usize> = (0..jobs.len()).collect();
     let names: Vec<&str> = jobs.iter().map(|(j, _)| *j).collect();
     let stop = loop {
         run += 1;
-        // A B C, then C B A: what a run leaves for the next one (caches,
-        // frequency) falls on each side equally.
-        let order: Vec<&Config> = if run % 2 == 1 {
-            configs.iter().collect()
+        if let Some((c0, c1)) = cpus {
+            if run > fixed.unwrap_or(MIN_ROUNDS) {
+                pb.inc_length((active.len() * 3) as u64);
+            }
+            // A on the first CPU in odd rounds, on the second in even ones;
+            // the candidates in the order A2 B C, then C B A2.
+            let (ca, cx) = if run % 2 == 1 { (c0, c1) } else { (c1, c0) };
+            let mut partners: Vec<&Config> = a2.iter().chain(&configs[1..]).collect();
+            if run % 2 == 0 {
+                partners.reverse();
+            }
+            for &ji in &active {
+                let (jname, job) = &jobs[ji];
+                for x in partners.iter().copied() {
+                    pb.set_message(format!("round {run}: job {jname}, A beside {}", x.key));
+                    let (ra, rx) = run_beside(
+                        &configs[0],
+                        x,
+                        jname,
+                        job,
+                        limits,
+                        run,
+                        (ca, cx),
+                        timeout,
+                        &off_cpu,
+                    )?;
+                    samples.push(ra);
+                    samples.push(rx);
+                    pb.inc(1);
+                }
+            }
         } else {
-            configs.iter().rev().collect()
-        };
-        if run > fixed.unwrap_or(MIN_ROUNDS) {
-            pb.inc_length((active.len() * configs.len()) as u64);
-        }
-        for &ji in &active {
-            let (jname, job) = &jobs[ji];
-            for c in order.iter().copied() {
-                pb.set_message(format!("round {run}: job {jname}, config {}", c.key));
-                let j = if c.limited {
-                    job.clone().with_limits(limits)
-                } else {
-                    job.clone()
-                };
-                let s0 = c.mgr.cpu_scheduler().self_usage().1;
-                let t0 = Instant::now();
-                let r = runner::run_job(
-                    &c.mgr,
-                    &format!("{jname}-{}-{run}", c.key.to_lowercase()),
-                    "default",
-                    &j,
-                    timeout,
-                )?;
-                let s1 = c.mgr.cpu_scheduler().self_usage().1;
-                samples.push(Sample {
-                    job: jname,
-                    config: c.key,
-                    run,
-                    r,
-                    sched_cpu_s: s1.saturating_sub(s0) as f64 / 1e9,
-                    secs: t0.elapsed().as_secs_f64(),
-                });
-                pb.inc(1);
+            // A B C, then C B A: what a run leaves for the next one (caches,
+            // frequency) falls on each side equally.
+            let order: Vec<&Config> = if run % 2 == 1 {
+                configs.iter().collect()
+            } else {
+                configs.iter().rev().collect()
+            };
+            if run > fixed.unwrap_or(MIN_ROUNDS) {
+                pb.inc_length((active.len() * configs.len()) as u64);
+            }
+            for &ji in &active {
+                let (jname, job) = &jobs[ji];
+                for c in order.iter().copied() {
+                    pb.set_message(format!("round {run}: job {jname}, config {}", c.key));
+                    let j = if c.limited {
+                        job.clone().with_limits(limits)
+                    } else {
+                        job.clone()
+                    };
+                    let s0 = c.mgr.cpu_scheduler().self_usage().1;
+                    let t0 = Instant::now();
+                    let r = runner::run_job(
+                        &c.mgr,
+                        &format!("{jname}-{}-{run}", c.key.to_lowercase()),
+                        "default",
+                        &j,
+                        timeout,
+                    )?;
+                    let s1 = c.mgr.cpu_scheduler().self_usage().1;
+                    samples.push(Sample {
+                        job: jname,
+                        config: c.key,
+                        run,
+                        against: None,
+                        cpu: None,
+                        r,
+                        sched_cpu_s: s1.saturating_sub(s0) as f64 / 1e9,
+                        secs: t0.elapsed().as_secs_f64(),
+                    });
+                    pb.inc(1);
+                }
             }
         }
         if let Some(n) = fixed {
@@ -234,7 +302,10 @@ pub fn run(a: OverheadArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String), Be
             }
             continue;
         }
-        let progress: Vec<Progress> = names.iter().map(|j| progress_of(&samples, j)).collect();
+        let progress: Vec<Progress> = names
+            .iter()
+            .map(|j| progress_of(&samples, j, parallel))
+            .collect();
         let elapsed = started.elapsed().as_secs_f64();
         match rounds::next(
             &progress,
@@ -269,8 +340,11 @@ pub fn run(a: OverheadArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String), Be
         }
     };
     pb.finish_and_clear();
-    for c in &configs {
+    for c in configs.iter().chain(&a2) {
         c.mgr.shutdown();
+    }
+    if parallel {
+        runner::pin_process(&mask)?;
     }
 
     // Raw samples.
@@ -285,6 +359,8 @@ pub fn run(a: OverheadArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String), Be
         "sched_thread_cpu_s",
         "result",
         "disk_read_bytes",
+        "beside",
+        "cpu",
     ]);
     for s in &samples {
         csv.push(vec![
@@ -300,6 +376,8 @@ pub fn run(a: OverheadArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String), Be
             s.r.disk_read
                 .map(|(b, _)| b.to_string())
                 .unwrap_or_default(),
+            s.against.unwrap_or_default().into(),
+            s.cpu.map(|c| c.to_string()).unwrap_or_default(),
         ]);
     }
     out.write("samples.csv", csv.text().as_bytes())?;
@@ -320,8 +398,31 @@ pub fn run(a: OverheadArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String), Be
          **guest seconds** = the job's time as the guest measured it (the probe's `us=`, \
          the Linux job's `ms=`).",
     );
+    if let Some((c0, c1)) = cpus {
+        rep.para(&format!(
+            "Layout **parallel**: A runs at the same time as each candidate (A2, B, C in \
+             turn), A pinned to one CPU and the candidate to the other (CPUs {c0} and {c1}; \
+             A on CPU {c0} in odd rounds, on CPU {c1} in even ones), so both see the same \
+             host slowdowns. Every other thread of the process — the gate scheduler's \
+             thread of B, the harness's main thread — is pinned to the candidate's CPU: \
+             the manager's cost falls on its side, never on A's. Each side's harness thread \
+             pins itself before `create_vm`; the VM's vCPU and device threads inherit its \
+             CPU ({} vCPU threads were found elsewhere and re-pinned). The disk is \
+             attached read-only on both sides (the two VMs share its file). The io job's vCPU \
+             and device thread share one CPU here (sequentially they spread over two): \
+             that is another job than the sequential layout's. A2 is a second manager \
+             like A: A2/A is the self-check, its interval must contain 1. A pair is two \
+             consecutive rounds (A once on each CPU), of the geometric means of each \
+             side's times, so a difference between the CPUs cancels. Caveat: on a loaded \
+             host the two sides, threads of one process, share one scheduling group \
+             (autogroup), whose share of each CPU shifts toward the busier side: what \
+             the manager costs there is partly paid back, biasing B/A toward 1. The \
+             process CPU seconds of a run cover both sides of its pair.",
+            off_cpu.load(Ordering::Relaxed)
+        ));
+    }
     let mut t = Table::new(&["config", "what"]);
-    for c in &configs {
+    for c in configs.iter().chain(&a2) {
         t.row(vec![c.key.into(), c.what.into()]);
     }
     rep.table(&t);
@@ -348,9 +449,15 @@ pub fn run(a: OverheadArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String), Be
 
     rep.h2("Verdict");
     rep.para(&format!(
-        "Stopped after {stop}. Each ratio is over pairs of runs of one round (B or C against \
-         A, back to back), on the guest-measured job time where the guest reports one (the \
-         probe's jobs) and the host wall time otherwise; 95 % t-interval of the log ratios."
+        "Stopped after {stop}. {} on the guest-measured job time where the guest reports \
+         one (the probe's jobs) and the host wall time otherwise; 95 % t-interval of the \
+         log ratios.",
+        if parallel {
+            "Each ratio is over pairs of two consecutive rounds (A against the candidate it \
+             ran beside, once with A on each CPU),"
+        } else {
+            "Each ratio is over pairs of runs of one round (B or C against A, back to back),"
+        }
     ));
     let mut t = Table::new(&[
         "job",
@@ -362,8 +469,8 @@ pub fn run(a: OverheadArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String), Be
         "rounds still needed",
     ]);
     for (jname, _) in &jobs {
-        let round_secs = progress_of(&samples, jname).round_secs;
-        for k in ["B", "C"] {
+        let round_secs = progress_of(&samples, jname, parallel).round_secs;
+        for &k in candidates(parallel) {
             let Some(r) = ratio(&samples, jname, k) else {
                 t.row(vec![
                     jname.to_string(),
@@ -382,7 +489,11 @@ pub fn run(a: OverheadArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String), Be
                 r.n.to_string(),
                 format!("{:+.2}%", r.mean_pct),
                 format!("{:+.2} … {:+.2}%", r.lo_pct, r.hi_pct),
-                r.verdict(&format!("{k} {}", short(k)), a.target),
+                if k == "A2" {
+                    self_check(&r)
+                } else {
+                    r.verdict(&format!("{k} {}", short(k)), a.target)
+                },
                 rounds::more_rounds(&r, a.target, round_secs).map_or_else(
                     || "-".into(),
                     |(more, min)| {
@@ -393,6 +504,27 @@ pub fn run(a: OverheadArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String), Be
                     },
                 ),
             ]);
+        }
+    }
+    rep.table(&t);
+
+    rep.para(
+        "Spread of single rounds (before any joining of rounds): the standard deviation of \
+         the per-round log ratio, and the correlation of A's and the candidate's log times \
+         (1: they slow down together; what the pairs cancel).",
+    );
+    let mut t = Table::new(&["job", "config", "rounds", "log-ratio sd", "correlation"]);
+    for (jname, _) in &jobs {
+        for &k in candidates(parallel) {
+            if let Some((n, sd, corr)) = spread_of(&samples, jname, k) {
+                t.row(vec![
+                    jname.to_string(),
+                    k.into(),
+                    n.to_string(),
+                    format!("{sd:.2} %"),
+                    format!("{corr:.3}"),
+                ]);
+            }
         }
     }
     rep.table(&t);
@@ -435,7 +567,7 @@ pub fn run(a: OverheadArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String), Be
             .iter()
             .map(|(_, f)| summary(jname, "A", *f))
             .collect();
-        for c in &configs {
+        for c in configs.iter().chain(&a2) {
             let mut row = vec![jname.to_string(), c.key.to_string()];
             for (i, (_, f)) in metrics[..3].iter().enumerate() {
                 match (summary(jname, c.key, *f), &base[i]) {
@@ -464,7 +596,7 @@ pub fn run(a: OverheadArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String), Be
             header.extend(SUMMARY_HEADER);
             let mut t = Table::new(&header);
             let base = summary(jname, "A", *f);
-            for c in &configs {
+            for c in configs.iter().chain(&a2) {
                 if let Some(s) = summary(jname, c.key, *f) {
                     let mut row = vec![c.key.to_string()];
                     row.extend(summary_cells(
@@ -521,6 +653,7 @@ pub fn run(a: OverheadArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String), Be
                 "seconds (create → done)",
                 configs
                     .iter()
+                    .chain(&a2)
                     .map(|c| {
                         Series::marked(
                             format!("{} {}", c.key, short(c.key)),
@@ -548,53 +681,202 @@ pub fn run(a: OverheadArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String), Be
     Ok((out.path.clone(), rep.text().to_string()))
 }
 
+/// One pair of the parallel layout: A on CPU `ca` and candidate `x` on CPU
+/// `cx`, started at the same time. Every thread of the process (the gate
+/// scheduler's thread of B, the harness's main thread) is pinned to `cx`
+/// first, so what the manager costs falls on the candidate's side, never on
+/// A's; each side's harness thread pins itself before it creates its VM,
+/// whose threads (vCPU, device) inherit that CPU. vCPU threads found on
+/// another CPU are re-pinned and counted in `off`.
+#[allow(clippy::too_many_arguments)]
+fn run_beside(
+    a: &Config,
+    x: &Config,
+    jname: &'static str,
+    job: &Job,
+    limits: Limits,
+    run: u32,
+    (ca, cx): (usize, usize),
+    timeout: Duration,
+    off: &AtomicUsize,
+) -> Result<(Sample, Sample), BenchError> {
+    runner::pin_process(&[cx])?;
+    let job_of = |c: &Config| {
+        if c.limited {
+            job.clone().with_limits(limits)
+        } else {
+            job.clone()
+        }
+    };
+    // Both sides create their VMs at once; who goes first alternates with
+    // the round, as A's CPU does, so what one VM's start and teardown cost
+    // the other (the two share one process and its address space) falls
+    // on each side equally within a joined pair of rounds.
+    let together = std::sync::Barrier::new(2);
+    let side = |c: &Config, cpu: usize, name: String| -> Result<Sample, BenchError> {
+        let pinned = runner::pin_thread(0, &[cpu]);
+        together.wait();
+        pinned.map_err(|e| BenchError(format!("pinning to CPU {cpu}: {e}")))?;
+        // Read-only on both sides: the two VMs of a pair share the disk
+        // file, which one writer would hold exclusively.
+        let mut j = job_of(c);
+        j.disk_read_only = true;
+        let s0 = c.mgr.cpu_scheduler().self_usage().1;
+        let t0 = Instant::now();
+        let r = runner::run_job_with(&c.mgr, &name, "default", &j, timeout, |tids| {
+            for &t in tids {
+                if runner::pinned_cpu(t) != Some(cpu) {
+                    off.fetch_add(1, Ordering::Relaxed);
+                    let _ = runner::pin_thread(t, &[cpu]);
+                }
+            }
+        })?;
+        let s1 = c.mgr.cpu_scheduler().self_usage().1;
+        Ok(Sample {
+            job: jname,
+            config: c.key,
+            run,
+            against: (c.key == "A").then_some(x.key),
+            cpu: Some(cpu),
+            r,
+            sched_cpu_s: s1.saturating_sub(s0) as f64 / 1e9,
+            secs: t0.elapsed().as_secs_f64(),
+        })
+    };
+    let xkey = x.key.to_lowercase();
+    let (ra, rx) = std::thread::scope(|s| {
+        let sa = || side(a, ca, format!("{jname}-a-{xkey}-{run}"));
+        let sx = || side(x, cx, format!("{jname}-{xkey}-{run}"));
+        if run % 2 == 1 {
+            let ha = s.spawn(sa);
+            let hx = s.spawn(sx);
+            (ha.join(), hx.join())
+        } else {
+            let hx = s.spawn(sx);
+            let ha = s.spawn(sa);
+            (ha.join(), hx.join())
+        }
+    });
+    let panicked = |_| BenchError("a harness thread panicked".into());
+    Ok((ra.map_err(panicked)??, rx.map_err(panicked)??))
+}
+
 fn short(key: &str) -> &'static str {
     match key {
         "A" => "(manager off)",
+        "A2" => "(A again: self-check)",
         "B" => "(scheduler on)",
         _ => "(I/O limits 100x)",
     }
 }
 
-/// The ratio of config `key` to A for `job` over the rounds that ran both:
-/// guest seconds where every sample has them, else host wall seconds.
-fn ratio(samples: &[Sample], job: &str, key: &str) -> Option<RatioCi> {
-    let of = |cfg: &str| -> Vec<&Sample> {
+/// The (A, candidate) pairs of config `key` for `job`, by round: guest
+/// seconds where every sample has them, else host wall seconds. In the
+/// parallel layout an A run pairs with the candidate it ran beside.
+fn pairs_of<'a>(samples: &'a [Sample], job: &str, key: &str) -> Vec<(&'a Sample, &'a Sample)> {
+    let base = samples
+        .iter()
+        .filter(|s| s.job == job && s.config == "A" && s.against.is_none_or(|k| k == key));
+    base.filter_map(|b| {
         samples
             .iter()
-            .filter(|s| s.job == job && s.config == cfg)
-            .collect()
-    };
-    let (base, cand) = (of("A"), of(key));
-    let guest = base.iter().chain(&cand).all(|s| s.r.guest_s.is_some());
-    let metric = |s: &Sample| {
+            .find(|c| c.job == job && c.config == key && c.run == b.run)
+            .map(|c| (b, c))
+    })
+    .collect()
+}
+
+/// The figure the ratios are over: guest seconds where every sample of the
+/// pairs has them, else host wall seconds.
+fn metric_of(pairs: &[(&Sample, &Sample)]) -> impl Fn(&Sample) -> f64 + use<> {
+    let guest = pairs
+        .iter()
+        .all(|(b, c)| b.r.guest_s.is_some() && c.r.guest_s.is_some());
+    move |s: &Sample| {
         if guest {
             s.r.guest_s.unwrap_or(s.r.wall_s)
         } else {
             s.r.wall_s
         }
+    }
+}
+
+/// The ratio of config `key` to A for `job` over the rounds that ran both.
+/// In the parallel layout two consecutive rounds (A on one CPU, then on the
+/// other) make one pair, of the geometric means of their A and candidate
+/// times: a difference between the CPUs cancels inside the pair instead of
+/// widening the interval.
+fn ratio(samples: &[Sample], job: &str, key: &str) -> Option<RatioCi> {
+    let pairs = pairs_of(samples, job, key);
+    let m = metric_of(&pairs);
+    let values: Vec<(f64, f64)> = if pairs.iter().any(|(b, _)| b.cpu.is_some()) {
+        swapped_pairs(
+            &pairs
+                .iter()
+                .map(|(b, c)| (b.run, b.cpu, m(b), m(c)))
+                .collect::<Vec<_>>(),
+        )
+    } else {
+        pairs.iter().map(|(b, c)| (m(b), m(c))).collect()
     };
-    let pairs: Vec<(f64, f64)> = base
+    RatioCi::of(&values)
+}
+
+/// Pairs of the parallel layout, `(round, A's CPU, A, candidate)`, joined
+/// two by two (rounds 1+2, 3+4, …, A's CPU differing) into the geometric
+/// means of each side; a last round without its swapped partner is left out.
+fn swapped_pairs(p: &[(u32, Option<usize>, f64, f64)]) -> Vec<(f64, f64)> {
+    let mut p = p.to_vec();
+    p.sort_by_key(|x| x.0);
+    p.chunks_exact(2)
+        .filter(|w| w[0].1 != w[1].1)
+        .map(|w| ((w[0].2 * w[1].2).sqrt(), (w[0].3 * w[1].3).sqrt()))
+        .collect()
+}
+
+/// The spread of the pairs of `key` for `job`: the standard deviation of
+/// the per-pair log ratio (percent) and the correlation of A's and the
+/// candidate's log times, over single rounds.
+fn spread_of(samples: &[Sample], job: &str, key: &str) -> Option<(usize, f64, f64)> {
+    let pairs = pairs_of(samples, job, key);
+    let m = metric_of(&pairs);
+    let logs: Vec<(f64, f64)> = pairs
         .iter()
-        .filter_map(|b| {
-            cand.iter()
-                .find(|c| c.run == b.run)
-                .map(|c| (metric(b), metric(c)))
-        })
+        .map(|(b, c)| (m(b), m(c)))
+        .filter(|(b, c)| *b > 0.0 && *c > 0.0)
+        .map(|(b, c)| (b.ln(), c.ln()))
         .collect();
-    RatioCi::of(&pairs)
+    let n = logs.len();
+    if n < 3 {
+        return None;
+    }
+    let mean = |f: &dyn Fn(&(f64, f64)) -> f64| logs.iter().map(f).sum::<f64>() / n as f64;
+    let (ma, mc) = (mean(&|p| p.0), mean(&|p| p.1));
+    let md = mc - ma;
+    let var = |f: &dyn Fn(&(f64, f64)) -> f64| logs.iter().map(f).sum::<f64>() / (n - 1) as f64;
+    let sd_d = var(&|p| (p.1 - p.0 - md).powi(2)).sqrt();
+    let cov = var(&|p| (p.0 - ma) * (p.1 - mc));
+    let (va, vc) = (var(&|p| (p.0 - ma).powi(2)), var(&|p| (p.1 - mc).powi(2)));
+    let corr = if va > 0.0 && vc > 0.0 {
+        cov / (va * vc).sqrt()
+    } else {
+        f64::NAN
+    };
+    Some((n, sd_d * 100.0, corr))
+}
+
+/// The candidates of a layout: B and C, and A2 in the parallel one.
+fn candidates(parallel: bool) -> &'static [&'static str] {
+    if parallel {
+        &["B", "C", "A2"]
+    } else {
+        &["B", "C"]
+    }
 }
 
 /// What the rounds so far gave for `job`: its rounds, the seconds a round
-/// of it takes (A, B and C), and its B/A and C/A intervals.
-fn progress_of(samples: &[Sample], job: &str) -> Progress {
-    let of = |cfg: &str| -> Vec<f64> {
-        samples
-            .iter()
-            .filter(|s| s.job == job && s.config == cfg)
-            .map(|s| s.secs)
-            .collect()
-    };
+/// of it takes (A, B and C, or its three pairs), and its intervals.
+fn progress_of(samples: &[Sample], job: &str, parallel: bool) -> Progress {
     let mean = |xs: Vec<f64>| {
         if xs.is_empty() {
             0.0
@@ -602,9 +884,94 @@ fn progress_of(samples: &[Sample], job: &str) -> Progress {
             xs.iter().sum::<f64>() / xs.len() as f64
         }
     };
+    let secs = |cfg: &str, against: Option<&str>| -> Vec<f64> {
+        samples
+            .iter()
+            .filter(|s| s.job == job && s.config == cfg && s.against == against)
+            .map(|s| s.secs)
+            .collect()
+    };
+    let (rounds, round_secs) = if parallel {
+        let keys = candidates(true);
+        (
+            secs("A", Some("B")).len() as u32,
+            keys.iter().map(|k| mean(secs("A", Some(k)))).sum(),
+        )
+    } else {
+        (
+            secs("A", None).len() as u32,
+            ["A", "B", "C"].map(|k| mean(secs(k, None))).iter().sum(),
+        )
+    };
     Progress {
-        rounds: of("A").len() as u32,
-        round_secs: ["A", "B", "C"].map(|k| mean(of(k))).iter().sum(),
-        ratios: ["B", "C"].map(|k| ratio(samples, job, k)).to_vec(),
+        rounds,
+        round_secs,
+        ratios: candidates(parallel)
+            .iter()
+            .map(|k| ratio(samples, job, k))
+            .collect(),
+    }
+}
+
+/// The self-check's verdict on A2/A: its interval must contain 1.
+fn self_check(r: &RatioCi) -> String {
+    let half = r.half_width_pct();
+    if r.lo_pct <= 0.0 && r.hi_pct >= 0.0 {
+        format!(
+            "self-check passes: A2/A {:+.2} % ± {half:.2} %, the interval contains 1",
+            r.mean_pct
+        )
+    } else {
+        format!(
+            "self-check FAILS: A2/A {:+.2} % ± {half:.2} % (two identical configurations \
+             differ: the layout is biased here, B's and C's figures are not to be trusted)",
+            r.mean_pct
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn swapped_rounds_cancel_a_cpu_difference() {
+        // The second CPU is 10 % slower; the candidate costs 1 % wherever
+        // it runs. Single rounds swing ±10 %, swapped pairs do not.
+        let p: Vec<(u32, Option<usize>, f64, f64)> = (1..=6)
+            .map(|run| {
+                let a_on_1 = run % 2 == 0;
+                let (fa, fx) = if a_on_1 { (1.1, 1.0) } else { (1.0, 1.1) };
+                (run, Some(usize::from(a_on_1)), 2.0 * fa, 2.0 * 1.01 * fx)
+            })
+            .collect();
+        let v = swapped_pairs(&p);
+        assert_eq!(v.len(), 3);
+        let r = RatioCi::of(&v).unwrap();
+        assert!((r.mean_pct - 1.0).abs() < 1e-9, "{r:?}");
+        assert!(r.half_width_pct() < 1e-9, "{r:?}");
+        // Single rounds: the CPU difference is noise of ±10 %.
+        let single: Vec<(f64, f64)> = p.iter().map(|x| (x.2, x.3)).collect();
+        assert!(RatioCi::of(&single).unwrap().half_width_pct() > 5.0);
+        // An odd last round is left out; out-of-order input is sorted.
+        let mut q = p[..5].to_vec();
+        q.reverse();
+        assert_eq!(swapped_pairs(&q).len(), 2);
+        // Two rounds on the same CPU are not a swapped pair.
+        let same = [(1, Some(0), 1.0, 1.0), (2, Some(0), 1.0, 1.0)];
+        assert!(swapped_pairs(&same).is_empty());
+    }
+
+    #[test]
+    fn self_check_verdicts() {
+        let ci = |lo: f64, hi: f64| RatioCi {
+            n: 10,
+            mean_pct: (lo + hi) / 2.0,
+            lo_pct: lo,
+            hi_pct: hi,
+        };
+        assert!(self_check(&ci(-0.2, 0.3)).starts_with("self-check passes"));
+        assert!(self_check(&ci(0.1, 0.5)).starts_with("self-check FAILS"));
+        assert!(self_check(&ci(-0.9, -0.1)).starts_with("self-check FAILS"));
     }
 }

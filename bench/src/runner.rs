@@ -443,9 +443,23 @@ pub fn run_job(
     job: &Job,
     timeout: Duration,
 ) -> Result<JobResult, BenchError> {
+    run_job_with(mgr, name, class, job, timeout, |_| {})
+}
+
+/// [`run_job`], calling `started` with the VM's vCPU thread ids right after
+/// `create_vm` returns.
+pub fn run_job_with(
+    mgr: &Arc<Manager>,
+    name: &str,
+    class: &str,
+    job: &Job,
+    timeout: Duration,
+    started: impl FnOnce(&[libc::pid_t]),
+) -> Result<JobResult, BenchError> {
     let timeout = job.timeout.unwrap_or(timeout);
     let c0 = process_cpu_s();
     let mut vm = Vm::start(mgr, name, class, job)?;
+    started(&vm.tids);
     let deadline = vm.t0 + timeout;
     while !vm.pump(Duration::from_millis(5)) {
         vm.cpu_ns();
@@ -491,6 +505,78 @@ pub fn run_job(
         result,
         disk_read,
     })
+}
+
+/// The CPUs this process may run on (its affinity mask), in order.
+pub fn allowed_cpus() -> Result<Vec<usize>, BenchError> {
+    // SAFETY: an all-zero cpu_set_t is a valid empty set.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    // SAFETY: `set` is ours and its size is passed; pid 0 is this thread.
+    let rc =
+        unsafe { libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) };
+    if rc != 0 {
+        return Err(BenchError(format!(
+            "sched_getaffinity: {}",
+            std::io::Error::last_os_error()
+        )));
+    }
+    // SAFETY: CPU_ISSET reads the set we own; the index is below CPU_SETSIZE.
+    Ok((0..libc::CPU_SETSIZE as usize)
+        .filter(|&c| unsafe { libc::CPU_ISSET(c, &set) })
+        .collect())
+}
+
+/// Pins thread `tid` (0: the calling thread) to the CPUs in `cpus`.
+pub fn pin_thread(tid: libc::pid_t, cpus: &[usize]) -> std::io::Result<()> {
+    // SAFETY: an all-zero cpu_set_t is a valid empty set.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    for &c in cpus {
+        // SAFETY: CPU_SET writes into the set we own; it ignores indices at
+        // or over CPU_SETSIZE.
+        unsafe { libc::CPU_SET(c, &mut set) };
+    }
+    // SAFETY: `set` is ours and its size is passed; a tid that has exited
+    // gives ESRCH, nothing else.
+    let rc = unsafe { libc::sched_setaffinity(tid, std::mem::size_of::<libc::cpu_set_t>(), &set) };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
+/// The CPU `tid` is pinned to, if its affinity mask holds exactly one CPU.
+pub fn pinned_cpu(tid: libc::pid_t) -> Option<usize> {
+    // SAFETY: an all-zero cpu_set_t is a valid empty set.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    // SAFETY: `set` is ours and its size is passed.
+    let rc =
+        unsafe { libc::sched_getaffinity(tid, std::mem::size_of::<libc::cpu_set_t>(), &mut set) };
+    if rc != 0 {
+        return None;
+    }
+    // SAFETY: CPU_ISSET reads the set we own; the index is below CPU_SETSIZE.
+    let on: Vec<usize> = (0..libc::CPU_SETSIZE as usize)
+        .filter(|&c| unsafe { libc::CPU_ISSET(c, &set) })
+        .collect();
+    (on.len() == 1).then(|| on[0])
+}
+
+/// Pins every thread of this process to `cpus`; returns how many threads
+/// it pinned (threads that exit meanwhile are skipped).
+pub fn pin_process(cpus: &[usize]) -> Result<usize, BenchError> {
+    let dir = std::fs::read_dir("/proc/self/task")
+        .map_err(|e| BenchError(format!("/proc/self/task: {e}")))?;
+    let mut n = 0;
+    for e in dir.flatten() {
+        let Some(tid) = e.file_name().to_str().and_then(|t| t.parse().ok()) else {
+            continue;
+        };
+        if pin_thread(tid, cpus).is_ok() {
+            n += 1;
+        }
+    }
+    Ok(n)
 }
 
 /// Bytes and requests VM `name` has read from its disks so far.

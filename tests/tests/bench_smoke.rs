@@ -94,6 +94,79 @@ fn bench_overhead_quick() {
     );
 }
 
+/// `--layout parallel`: A beside each candidate on the two CPUs, swapped
+/// every round. The report has the layout's method, the self-check row and
+/// the spread table, and the self-check's interval contains 1. A true 95 %
+/// interval misses 1 in 20 runs by chance: a miss is run once more (two in a
+/// row happen 1 in 400 times; a biased layout misses every time).
+#[test]
+fn bench_overhead_parallel_self_check() {
+    let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let mut last = String::new();
+    for attempt in 0..2 {
+        let dir = out_dir(&format!("overhead-parallel-{attempt}"));
+        let o = run_corral(
+            &[
+                "bench",
+                "overhead",
+                "--quick",
+                "--runs",
+                "6",
+                "--job",
+                "both",
+                "--layout",
+                "parallel",
+                "--out",
+                dir.to_str().unwrap(),
+            ],
+            Duration::from_secs(180),
+        );
+        let (out, err) = text(&o);
+        if !o.status.success() && err.contains("needs two CPUs") {
+            eprintln!("skipped: {err}");
+            return;
+        }
+        assert!(
+            o.status.success(),
+            "corral bench overhead failed:\n{out}\n{err}"
+        );
+        let md = std::fs::read_to_string(dir.join("report.md")).unwrap();
+        // Table cells are padded: compare with single spaces.
+        let md: String = md
+            .lines()
+            .map(|l| l.split_whitespace().collect::<Vec<_>>().join(" ") + "\n")
+            .collect();
+        for needle in [
+            "Layout **parallel**",
+            "## Verdict",
+            "Stopped after 6 rounds, as asked",
+            "| job | config | pairs | vs A",
+            "| cpu | A2 | 3 |",
+            "| io | A2 | 3 |",
+            "| cpu | B | 3 |",
+            "| io | C | 3 |",
+            "| job | config | rounds | log-ratio sd | correlation",
+            "| cpu | A2 | 6 |",
+            "| io | B | 6 |",
+        ] {
+            assert!(md.contains(needle), "report lacks {needle:?}:\n{md}");
+        }
+        non_empty(&dir.join("samples.csv"));
+        is_png(&dir.join("overhead.png"));
+        let _ = std::fs::remove_dir_all(&dir);
+        let checks: Vec<&str> = md
+            .lines()
+            .filter(|l| l.contains("| A2 |") && l.contains("self-check"))
+            .collect();
+        assert_eq!(checks.len(), 2, "{md}");
+        if checks.iter().all(|l| l.contains("self-check passes")) {
+            return;
+        }
+        last = md;
+    }
+    panic!("the A/A self-check failed twice:\n{last}");
+}
+
 #[test]
 fn bench_interference_quick() {
     smoke(
