@@ -37,8 +37,8 @@ fn a_throttled_job_sleeps_instead_of_spinning() {
     std::fs::create_dir_all(&dir).unwrap();
     // 100 ops/s per VM, a bucket one request deep: 4 KiB reads at queue
     // depth 1 wait ~10 ms each, nearly all of it held back by the throttle.
-    // 400 requests: ~4 s, of which 1.5 s are measured.
-    let job = "probe.mode=blk probe.op=read probe.size=1600K probe.bs=4K probe.qd=1";
+    // 600 requests: ~6 s, of which up to 4.5 s are measured.
+    let job = "probe.mode=blk probe.op=read probe.size=2400K probe.bs=4K probe.qd=1";
     for wait in ["irq", "poll"] {
         let r = d.req(
             "POST",
@@ -67,38 +67,47 @@ fn a_throttled_job_sleeps_instead_of_spinning() {
         (disk_ops(&d, "irq") >= 20.0 && disk_ops(&d, "poll") >= 20.0).then_some(())
     })
     .expect("both VMs reading");
-    let (i0, p0, o0, t0) = (
-        cpu_seconds(&d, "irq"),
-        cpu_seconds(&d, "poll"),
-        disk_ops(&d, "irq"),
-        Instant::now(),
-    );
-    std::thread::sleep(Duration::from_millis(1500));
-    let (i1, p1, o1) = (
-        cpu_seconds(&d, "irq"),
-        cpu_seconds(&d, "poll"),
-        disk_ops(&d, "irq"),
-    );
-    let el = t0.elapsed().as_secs_f64();
-    let (irq_pct, poll_pct) = ((i1 - i0) / el * 100.0, (p1 - p0) / el * 100.0);
-    let rate = (o1 - o0) / el;
-    eprintln!(
-        "vCPU use over {el:.2} s of a job throttled to 100 ops/s: probe.wait=irq {irq_pct:.1} %, \
-         probe.wait=poll {poll_pct:.1} % (irq VM at {rate:.0} ops/s)"
-    );
-    // The job really was throttled (and still running) while measured.
-    assert!(rate > 20.0 && rate < 110.0, "irq VM at {rate:.0} ops/s");
-    // Measured here: irq 2-3 % on a host at load 10 (the poll VM got 15 %
-    // of a CPU there, ~100 % on a quiet host); the old driver spins, so
-    // both VMs would use the same.
-    assert!(
-        irq_pct < 8.0,
-        "the sleeping VM used {irq_pct:.1} % of a CPU (poll: {poll_pct:.1} %)"
-    );
-    assert!(
-        poll_pct > 2.5 * irq_pct,
-        "poll {poll_pct:.1} % against irq {irq_pct:.1} %: the measurement cannot tell them apart"
-    );
+    // Up to three windows of 1.5 s, each judged on its own with the same
+    // bounds: one episode of heavy outside load (the sleep and wake-up of
+    // a vCPU costs ~0.5-1 ms here, more while the host is swamped) must
+    // not decide the test, a driver that spins fails all three.
+    let mut last = String::new();
+    let mut passed = false;
+    for _ in 0..3 {
+        let (i0, p0, o0, t0) = (
+            cpu_seconds(&d, "irq"),
+            cpu_seconds(&d, "poll"),
+            disk_ops(&d, "irq"),
+            Instant::now(),
+        );
+        std::thread::sleep(Duration::from_millis(1500));
+        let (i1, p1, o1) = (
+            cpu_seconds(&d, "irq"),
+            cpu_seconds(&d, "poll"),
+            disk_ops(&d, "irq"),
+        );
+        let el = t0.elapsed().as_secs_f64();
+        let (irq_pct, poll_pct) = ((i1 - i0) / el * 100.0, (p1 - p0) / el * 100.0);
+        let rate = (o1 - o0) / el;
+        eprintln!(
+            "vCPU use over {el:.2} s of a job throttled to 100 ops/s: probe.wait=irq {irq_pct:.1} %, \
+             probe.wait=poll {poll_pct:.1} % (irq VM at {rate:.0} ops/s)"
+        );
+        // The job really was throttled (and still running) while measured.
+        assert!(rate > 20.0 && rate < 110.0, "irq VM at {rate:.0} ops/s");
+        // Measured here: irq 2-3 % on a host at load 10 (the poll VM got
+        // 15 % of a CPU there, ~100 % on a quiet host); the old driver
+        // spins, so both VMs would use the same.
+        if irq_pct < 8.0 && poll_pct > 2.5 * irq_pct {
+            passed = true;
+            break;
+        }
+        last = format!(
+            "the sleeping VM used {irq_pct:.1} % of a CPU, the polling one {poll_pct:.1} % \
+             (bounds: < 8 %, and poll > 2.5x irq)"
+        );
+    }
+    assert!(passed, "in three windows; the last: {last}");
     // Both jobs finish correctly; the irq VM slept on interrupts.
     let line = |vm: &str| {
         wait_until(Duration::from_secs(60), || {
@@ -119,9 +128,9 @@ fn a_throttled_job_sleeps_instead_of_spinning() {
     };
     for l in [&li, &lp] {
         assert_eq!(num(l, "errors"), 0, "{l}");
-        assert_eq!(num(l, "requests"), 400, "{l}");
+        assert_eq!(num(l, "requests"), 600, "{l}");
     }
-    assert!(num(&li, "irqs") >= 200, "{li}");
+    assert!(num(&li, "irqs") >= 300, "{li}");
     assert_eq!(num(&lp, "sleeps"), 0, "{lp}");
     for vm in ["irq", "poll"] {
         d.req("DELETE", &format!("/v1/vms/{vm}"), None);
