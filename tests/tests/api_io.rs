@@ -83,13 +83,35 @@ fn class_io_limits_are_shared_by_its_disks_and_change_live() {
             ),
         )
     };
-    let t0 = wait_until(Duration::from_secs(30), || {
+    // A reading whose request took over 20 ms is taken again (up to 20
+    // times, then the quickest counts): its instant is then known within
+    // 10 ms, 0.4 % of the window. At load 18 requests took up to ~100 ms,
+    // and midpoints alone still read 413 ops/s once.
+    let precise = |d: &Daemon| {
+        let mut best: Option<(Duration, _)> = None;
+        for _ in 0..20 {
+            let sent = std::time::Instant::now();
+            let o = ops(d);
+            let took = sent.elapsed();
+            if best.as_ref().is_none_or(|(t, _)| took < *t) {
+                best = Some((took, o));
+            }
+            if took < Duration::from_millis(20) {
+                break;
+            }
+        }
+        let (took, o) = best.expect("at least one reading");
+        eprintln!("a /metrics reading took {took:?}");
+        o
+    };
+    wait_until(Duration::from_secs(30), || {
         let o = ops(&d);
-        (o.1.1 >= 30.0 && o.1.2 >= 30.0).then_some(o)
+        (o.1.1 >= 30.0 && o.1.2 >= 30.0).then_some(())
     })
     .expect("both VMs reading");
+    let t0 = precise(&d);
     std::thread::sleep(Duration::from_millis(2500));
-    let (t1, o1) = ops(&d);
+    let (t1, o1) = precise(&d);
     let dt = t1.duration_since(t0.0).as_secs_f64();
     let (g, da, db) = (o1.0 - t0.1.0, o1.1 - t0.1.1, o1.2 - t0.1.2);
     let rate = g / dt;
