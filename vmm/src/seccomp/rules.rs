@@ -185,12 +185,14 @@ fn device(r: &mut Rules) {
     allow(r, &[libc::SYS_read]);
     // virtio-blk: vectored I/O straight into guest memory, FLUSH, DISCARD and
     // WRITE_ZEROES (fallocate; from devices/src/virtio/blk/backend.rs),
-    // throttle timers.
+    // the io_uring engine's inline try of a page-cache write (pwritev2 with
+    // RWF_NOWAIT, backend.rs `write_inline`), throttle timers.
     allow(
         r,
         &[
             libc::SYS_preadv,
             libc::SYS_pwritev,
+            libc::SYS_pwritev2,
             libc::SYS_fdatasync,
             libc::SYS_fallocate,
             libc::SYS_timerfd_settime,

@@ -119,6 +119,50 @@ pub struct DiskFile {
     direct: bool,
     bounce: Option<AlignedBuf>,
     iov: Vec<libc::iovec>,
+    /// The file system refused a non-blocking buffered write
+    /// (`RWF_NOWAIT`: `EOPNOTSUPP`, e.g. ext4): inline writes block.
+    nowait_unsupported: bool,
+    /// The system call of [`DiskFile::write_inline`]'s non-blocking try
+    /// (`pwritev2`; a test scripts `EAGAIN` and short writes through it).
+    pwritev2: Pwritev2,
+}
+
+/// `pwritev2(fd, iov, iovcnt, offset, flags)`: bytes written, or -1 and
+/// `errno`.
+///
+/// # Safety
+///
+/// As `pwritev2(2)`: `iovcnt` valid iovecs at `iov` over mapped memory.
+pub(super) type Pwritev2 =
+    unsafe fn(libc::c_int, *const libc::iovec, libc::c_int, libc::off_t, libc::c_int) -> isize;
+
+/// The real `pwritev2`.
+///
+/// # Safety
+///
+/// As [`Pwritev2`].
+unsafe fn sys_pwritev2(
+    fd: libc::c_int,
+    iov: *const libc::iovec,
+    cnt: libc::c_int,
+    off: libc::off_t,
+    flags: libc::c_int,
+) -> isize {
+    // SAFETY: the caller's guarantee (valid iovecs over mapped memory).
+    unsafe { libc::pwritev2(fd, iov, cnt, off, flags) }
+}
+
+/// What [`DiskFile::write_inline`] did.
+#[derive(Debug)]
+pub(super) enum Inline {
+    /// The whole write is in the page cache.
+    Done,
+    /// The first `n` bytes (maybe 0) were written and the rest would block:
+    /// `iov` now describes the rest, to be submitted to the ring at
+    /// `offset + n`.
+    Rest(u64),
+    /// The write failed (the request's status is IOERR).
+    Failed(io::Error),
 }
 
 // SAFETY: the only non-Send field is `iov`, a scratch vector that is empty
@@ -192,6 +236,8 @@ impl DiskFile {
             direct,
             bounce: None,
             iov: Vec::new(),
+            nowait_unsupported: false,
+            pwritev2: sys_pwritev2,
         })
     }
 
@@ -301,6 +347,92 @@ impl DiskFile {
                 write,
             )
         }
+    }
+
+    /// The io_uring engine's write on a page-cache disk, tried on the device
+    /// thread first: `pwritev2(RWF_NOWAIT)` of `iov` at `offset`. A buffered
+    /// write the ring takes is punted to an io-wq worker on file systems
+    /// without a non-blocking buffered-write path, a thread hand-off that
+    /// costs more than the copy. Returns [`Inline::Rest`] for what would
+    /// block (`EAGAIN`, or a short write's rest; `iov` is trimmed to it).
+    ///
+    /// Where the file system refuses `RWF_NOWAIT` for buffered writes
+    /// (`EOPNOTSUPP`; ext4 on the kernels seen), the write is done here
+    /// with a plain `pwritev`, exactly what the io-wq worker would do: the
+    /// kernel serialises a ring's buffered writes to one file on one
+    /// worker anyway (io-wq hashes them by inode), so only the hand-off is
+    /// saved; the answer is remembered for the disk's life.
+    ///
+    /// # Safety
+    ///
+    /// Every iovec must point into guest memory that stays mapped during the
+    /// call (as [`DiskFile::uring_iov`] returns them).
+    pub(super) unsafe fn write_inline(
+        &mut self,
+        iov: &mut Vec<libc::iovec>,
+        offset: u64,
+    ) -> Inline {
+        let fd = self.file.as_raw_fd();
+        let mut done = 0u64;
+        let mut start = 0;
+        while !self.nowait_unsupported {
+            while start < iov.len() && iov[start].iov_len == 0 {
+                start += 1;
+            }
+            if start == iov.len() {
+                return Inline::Done;
+            }
+            let Ok(off) = libc::off_t::try_from(offset + done) else {
+                return Inline::Failed(errno(libc::EINVAL));
+            };
+            let cnt = (iov.len() - start).min(IOV_MAX) as libc::c_int;
+            // SAFETY: `iov[start..start + cnt]` are valid iovecs over guest
+            // memory the caller keeps mapped.
+            let n =
+                unsafe { (self.pwritev2)(fd, iov[start..].as_ptr(), cnt, off, libc::RWF_NOWAIT) };
+            if n < 0 {
+                let e = io::Error::last_os_error();
+                match e.raw_os_error() {
+                    Some(libc::EINTR) => continue,
+                    Some(libc::EAGAIN) => break,
+                    Some(libc::EOPNOTSUPP) => self.nowait_unsupported = true,
+                    _ => return Inline::Failed(e),
+                }
+                continue;
+            }
+            if n == 0 {
+                break;
+            }
+            done += n as u64;
+            let before = start;
+            advance(iov, &mut start, n as usize);
+            // A short write: the next page would block (a full one goes on
+            // with the next IOV_MAX iovecs).
+            if start < iov.len() && (start - before) < cnt as usize {
+                break;
+            }
+        }
+        if self.nowait_unsupported {
+            // SAFETY: as above; `advance` keeps each iovec inside its range.
+            return match unsafe { transfer(fd, &mut iov[start..], offset + done, true) } {
+                Ok(()) => Inline::Done,
+                Err(e) => Inline::Failed(e),
+            };
+        }
+        while start < iov.len() && iov[start].iov_len == 0 {
+            start += 1;
+        }
+        if start == iov.len() {
+            return Inline::Done;
+        }
+        iov.drain(..start);
+        Inline::Rest(done)
+    }
+
+    /// Replaces the inline write's `pwritev2` (tests script its answers).
+    #[cfg(test)]
+    pub(super) fn set_pwritev2(&mut self, f: Pwritev2) {
+        self.pwritev2 = f;
     }
 
     /// The file's descriptor (for io_uring submissions).

@@ -5,6 +5,7 @@
 use virtio_queue::QueueT;
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 
+use super::backend::Inline;
 use super::queue::break_ring;
 use super::request::{self, Malformed, Request, RequestType};
 use super::stats::add;
@@ -15,6 +16,16 @@ use super::{
     feature,
 };
 use crate::guest_log::GuestErrorKind;
+
+/// What [`Engine::submit`] did with a request.
+enum Taken {
+    /// On the ring; [`Engine::complete_done`] finishes it.
+    Queued,
+    /// Done on the device thread (an inline write): its status.
+    Inline(u8),
+    /// Not taken: execute it synchronously.
+    No,
+}
 
 impl Engine {
     fn finish(&self, act: &mut Active, head: u16, status: Option<(GuestAddress, u8)>, len: u32) {
@@ -67,43 +78,95 @@ impl Engine {
         req: &Request,
         taken_at: Nanos,
     ) -> bool {
-        if self.submit(act, req, taken_at) {
-            return false;
-        }
-        let (status, written) = self.execute(&act.mem, req);
+        let (status, written) = match self.submit(act, req, taken_at) {
+            Taken::Queued => return false,
+            Taken::Inline(status) => (status, 0),
+            Taken::No => self.execute(&act.mem, req),
+        };
         self.done(act, throttle, req, taken_at, status, written);
         true
     }
 
     /// Queues `req` on the io_uring engine if it takes it (reads and writes
-    /// that need no bounce, flushes); false: execute it synchronously.
-    fn submit(&mut self, act: &Active, req: &Request, taken_at: Nanos) -> bool {
+    /// that need no bounce, flushes), after trying a page-cache disk's
+    /// write inline ([`DiskFile::write_inline`]).
+    fn submit(&mut self, act: &Active, req: &Request, taken_at: Nanos) -> Taken {
         if self.uring.is_none() {
-            return false;
+            return Taken::No;
         }
-        let (offset, iov) = match req.kind {
+        let (mut offset, mut iov) = match req.kind {
             RequestType::In | RequestType::Out if req.data_len > 0 => {
                 let Some(off) = self.range(req.sector, req.data_len) else {
-                    return false;
+                    return Taken::No;
                 };
                 let write = req.kind == RequestType::Out;
                 match self.disk.uring_iov(&act.mem, &req.data, off, write) {
                     Some(iov) => (off, iov),
-                    None => return false,
+                    None => return Taken::No,
                 }
             }
             RequestType::Flush => (0, Vec::new()),
-            _ => return false,
+            _ => return Taken::No,
         };
+        let mut pre = 0;
+        if req.kind == RequestType::Out && !self.disk.direct() {
+            // SAFETY: the iovecs came from `uring_iov` over `act.mem`,
+            // borrowed (so mapped) for the call.
+            match unsafe { self.disk.write_inline(&mut iov, offset) } {
+                Inline::Done => {
+                    add(&self.stats.write_ops, 1);
+                    add(&self.stats.write_bytes, req.data_len);
+                    return Taken::Inline(blk_status::OK);
+                }
+                Inline::Failed(e) => {
+                    let k = GuestErrorKind::HostIo;
+                    let msg = format_args!("write at {offset:#x} failed: {e}");
+                    return Taken::Inline(self.refuse(k, msg));
+                }
+                Inline::Rest(n) => {
+                    pre = n;
+                    offset += n;
+                }
+            }
+        }
         let slot = Slot {
             req: req.clone(),
             taken_at,
             offset,
+            pre,
             iov,
             _mem: act.mem.clone(),
         };
         let fd = self.disk.raw_fd();
-        self.uring.as_mut().is_some_and(|u| u.push(fd, slot))
+        match self.uring.as_mut() {
+            Some(u) => match u.push(fd, slot) {
+                None => Taken::Queued,
+                // Every slot busy: finish the write's rest here (the
+                // request's first `pre` bytes are written already).
+                Some(mut slot) if pre > 0 => {
+                    // SAFETY: as above.
+                    let r = unsafe { self.disk.finish_short(&mut slot.iov, 0, offset, true) };
+                    Taken::Inline(self.status_of_write(r, req, offset))
+                }
+                Some(_) => Taken::No,
+            },
+            None => Taken::No,
+        }
+    }
+
+    /// Counts a write's outcome; its status.
+    fn status_of_write(&self, r: std::io::Result<()>, req: &Request, off: u64) -> u8 {
+        match r {
+            Ok(()) => {
+                add(&self.stats.write_ops, 1);
+                add(&self.stats.write_bytes, req.data_len);
+                blk_status::OK
+            }
+            Err(e) => {
+                let k = GuestErrorKind::HostIo;
+                self.refuse(k, format_args!("write at {off:#x} failed: {e}"))
+            }
+        }
     }
 
     /// Completes a request the io_uring engine finished.
@@ -129,9 +192,12 @@ impl Engine {
             kind => {
                 let write = kind == RequestType::Out;
                 let want = req.data_len;
+                // What the ring was given: the request less the inline
+                // try's short write.
+                let rest = want.saturating_sub(slot.pre);
                 let r = match u64::try_from(res) {
                     Err(_) => Err(std::io::Error::from_raw_os_error(-res)),
-                    Ok(n) if n >= want => Ok(()),
+                    Ok(n) if n >= rest => Ok(()),
                     Ok(0) => Err(std::io::ErrorKind::UnexpectedEof.into()),
                     // SAFETY: the iovecs came from `uring_iov` over guest
                     // memory that `slot.mem` keeps mapped.

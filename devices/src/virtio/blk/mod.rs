@@ -381,6 +381,8 @@ mod tests_control;
 #[cfg(test)]
 mod tests_hostile;
 #[cfg(test)]
+mod tests_inline;
+#[cfg(test)]
 mod tests_punctual;
 #[cfg(test)]
 mod tests_uring;

@@ -81,8 +81,11 @@ pub(super) struct Slot {
     pub req: Request,
     /// When the device took it from the ring (for the throttle's latency).
     pub taken_at: Nanos,
-    /// File offset.
+    /// File offset (of what is left to transfer).
     pub offset: u64,
+    /// Bytes of the request written before it was submitted (the inline
+    /// try's short write; `iov` and `offset` describe the rest).
+    pub pre: u64,
     /// Host iovecs into guest memory (empty for FLUSH); the kernel reads
     /// them while the request is in flight, so they live here until then.
     pub iov: Vec<libc::iovec>,
@@ -179,11 +182,11 @@ impl Uring {
     }
 
     /// Queues a read, write or flush of `slot` on `fd` (submitted by
-    /// [`Uring::submit`]); false if every slot is busy (the caller runs the
-    /// request synchronously).
-    pub(super) fn push(&mut self, fd: RawFd, slot: Slot) -> bool {
+    /// [`Uring::submit`]); gives the slot back if every slot is busy (the
+    /// caller runs the request synchronously), `None` once queued.
+    pub(super) fn push(&mut self, fd: RawFd, slot: Slot) -> Option<Slot> {
         let Some(idx) = self.free.pop() else {
-            return false;
+            return Some(slot);
         };
         if self.ring.submission().is_full() {
             // Cannot happen (as many SQ entries as slots); stay safe.
@@ -192,7 +195,7 @@ impl Uring {
             }
             if self.ring.submission().is_full() {
                 self.free.push(idx);
-                return false;
+                return Some(slot);
             }
         }
         let iovp = slot.iov.as_ptr();
@@ -219,21 +222,20 @@ impl Uring {
             entry!(types::Fd(fd))
         }
         .user_data(u64::from(idx));
-        self.slots[idx as usize] = Some(slot);
         // SAFETY: the entry's iovec array (a Vec's heap buffer: moving the
-        // Slot into `slots` does not move it) and the guest memory its
+        // Slot into `slots` right after does not move it) and the guest memory its
         // iovecs point into (kept mapped by the slot's `mem`) stay valid
         // until the completion is reaped, which frees the slot; the fd is
         // the disk's, open for the device's lifetime, and the device drains
         // the ring before it is dropped.
         let pushed = unsafe { self.ring.submission().push(&entry) };
         if pushed.is_err() {
-            self.slots[idx as usize] = None;
             self.free.push(idx);
-            return false;
+            return Some(slot);
         }
+        self.slots[idx as usize] = Some(slot);
         self.queued += 1;
-        true
+        None
     }
 
     /// Submits what was queued (one `io_uring_enter`).
