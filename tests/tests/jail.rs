@@ -18,11 +18,32 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use corral_vmm::jail::{self, JailLimits, NsKind};
+use corral_vmm::jail::{self, JailLimits, NsKind, RTPRIO, RTTIME_HARD_US, RTTIME_SOFT_US};
 
 const EROFS: &str = "30";
 const ENOENT: &str = "2";
 const EACCES: &str = "13";
+const EPERM: &str = "1";
+
+/// Whether the jail can give its process `RLIMIT_RTPRIO` 1: this process's
+/// hard limit is at least 1 (the jail lowers it), or it may raise it
+/// (`CAP_SYS_RESOURCE`, which a container's root may lack, as here).
+fn rt_raisable() -> bool {
+    let mut rl = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes into the struct we own.
+    assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_RTPRIO, &mut rl) }, 0);
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let eff = status
+        .lines()
+        .find_map(|l| l.strip_prefix("CapEff:"))
+        .map(|v| u64::from_str_radix(v.trim(), 16).unwrap())
+        .unwrap();
+    // CAP_SYS_RESOURCE is capability 24.
+    rl.rlim_max == libc::RLIM_INFINITY || rl.rlim_max >= RTPRIO || eff & (1 << 24) != 0
+}
 
 fn jail_check() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_jail-check"))
@@ -267,6 +288,21 @@ fn jailed_vm_process_holds_only_its_files_and_no_privilege_and_still_boots() {
         core.split_whitespace().filter(|w| *w == "0").count() == 2,
         "{core}"
     );
+    // Real-time: priority 1 at most (where this host lets the jail raise
+    // it), and a bound on real-time CPU time without blocking.
+    let row = |name: &str| -> Vec<String> {
+        let l = limits.lines().find(|l| l.starts_with(name)).unwrap();
+        l[name.len()..]
+            .split_whitespace()
+            .map(String::from)
+            .collect()
+    };
+    let rtprio = if rt_raisable() { RTPRIO } else { 0 }.to_string();
+    assert_eq!(row("Max realtime priority")[..2], [rtprio.clone(), rtprio]);
+    assert_eq!(
+        row("Max realtime timeout")[..2],
+        [RTTIME_SOFT_US.to_string(), RTTIME_HARD_US.to_string()]
+    );
 
     j.child.stdin.as_mut().unwrap().write_all(b"go\n").unwrap();
     j.wait_for("BOOT-EXIT", Duration::from_secs(60))
@@ -308,6 +344,15 @@ fn jailed_vm_process_holds_only_its_files_and_no_privilege_and_still_boots() {
         l.fsize.unwrap()
     );
     assert_eq!(fact("limits"), want);
+    let rt = if rt_raisable() { RTPRIO } else { 0 };
+    assert_eq!(
+        fact("rt_limits"),
+        format!("{rt},{RTTIME_SOFT_US},{RTTIME_HARD_US}")
+    );
+    // A device thread can take SCHED_FIFO 1 for a tight throttle wait where
+    // the jail could give it RLIMIT_RTPRIO; never a higher priority.
+    assert_eq!(fact("fifo1"), if rt_raisable() { "ok" } else { EPERM });
+    assert_eq!(fact("fifo2"), EPERM);
     // Read-only images refuse writes by the mount (the files are 0666).
     assert_eq!(fact("ro_write"), EROFS);
     assert_eq!(fact("kernel_write"), EROFS);

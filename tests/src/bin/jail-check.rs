@@ -185,6 +185,32 @@ fn main() {
             .collect::<Vec<_>>()
             .join(","),
     );
+    fact(
+        "rt_limits",
+        st.rt_limits
+            .iter()
+            .map(|&v| lim(v))
+            .collect::<Vec<_>>()
+            .join(","),
+    );
+    // SCHED_FIFO 1 (what a boosted device thread takes) and 2 (above the
+    // jail's RLIMIT_RTPRIO), each undone.
+    for prio in [1, 2] {
+        let param = libc::sched_param {
+            sched_priority: prio,
+        };
+        // SAFETY: pid 0 is this thread; `param` outlives the call.
+        let r = unsafe { libc::sched_setscheduler(0, libc::SCHED_FIFO, &param) };
+        let v = errno(if r == 0 {
+            Ok(())
+        } else {
+            Err(std::io::Error::last_os_error())
+        });
+        let zero = libc::sched_param { sched_priority: 0 };
+        // SAFETY: as above.
+        unsafe { libc::sched_setscheduler(0, libc::SCHED_OTHER, &zero) };
+        fact(&format!("fifo{prio}"), v);
+    }
     let wo = |p: &str| std::fs::OpenOptions::new().write(true).open(p);
     fact("ro_write", errno(wo("/ro.img")));
     fact("kernel_write", errno(wo("/probe.elf")));

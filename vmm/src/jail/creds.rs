@@ -20,8 +20,9 @@ fn set(resource: Resource, name: &'static str, v: Option<u64>) -> Result<(), Jai
 }
 
 /// Sets the limits, soft = hard, and `RLIMIT_CORE` to 0 (no core file of
-/// guest memory). A write past `RLIMIT_FSIZE` fails with EFBIG: SIGXFSZ is
-/// ignored, so that a long log file on stderr cannot kill the VM.
+/// guest memory), then the real-time ones ([`set_rt_limits`]). A write
+/// past `RLIMIT_FSIZE` fails with EFBIG: SIGXFSZ is ignored, so that a
+/// long log file on stderr cannot kill the VM.
 pub(super) fn set_limits(l: &JailLimits) -> Result<(), JailError> {
     if l.fsize.is_some() {
         // SAFETY: SIG_IGN installs no handler; no code runs on the signal.
@@ -37,7 +38,51 @@ pub(super) fn set_limits(l: &JailLimits) -> Result<(), JailError> {
     set(Resource::As, "RLIMIT_AS", l.address_space)?;
     set(Resource::Nproc, "RLIMIT_NPROC", Some(l.nproc))?;
     set(Resource::Fsize, "RLIMIT_FSIZE", l.fsize)?;
-    set(Resource::Core, "RLIMIT_CORE", Some(0))
+    set(Resource::Core, "RLIMIT_CORE", Some(0))?;
+    set_rt_limits().map(drop)
+}
+
+/// `RLIMIT_RTPRIO` of a jailed VM process: its device threads may take
+/// `SCHED_FIFO` priority 1 (the lowest) for a tight throttle wait
+/// (`devices/src/virtio/blk/throttle.rs`), nothing higher.
+pub const RTPRIO: u64 = 1;
+/// `RLIMIT_RTTIME` soft limit (µs): CPU time a real-time thread may use
+/// without blocking before the kernel sends SIGXCPU. A boosted device
+/// thread blocks on its timer or spins at most `EARLY_MAX_NS` (1 ms)
+/// before it is admitted and drops the boost: 200× that.
+pub const RTTIME_SOFT_US: u64 = 200_000;
+/// `RLIMIT_RTTIME` hard limit (µs): past it the kernel sends SIGKILL,
+/// which no handler and no pid namespace can ignore.
+pub const RTTIME_HARD_US: u64 = 1_000_000;
+
+/// Sets `RLIMIT_RTTIME` (soft [`RTTIME_SOFT_US`], hard [`RTTIME_HARD_US`])
+/// and `RLIMIT_RTPRIO` = [`RTPRIO`] (soft = hard). Raising the hard
+/// `RLIMIT_RTPRIO` from 0 needs `CAP_SYS_RESOURCE`; a host that withheld it
+/// from the spawner (a container) keeps the inherited limit, with a
+/// warning: the VM runs, its throttle waits go without the boost. Returns
+/// whether `RLIMIT_RTPRIO` is [`RTPRIO`].
+pub(super) fn set_rt_limits() -> Result<bool, JailError> {
+    rustix::process::setrlimit(
+        Resource::Rttime,
+        Rlimit {
+            current: Some(RTTIME_SOFT_US),
+            maximum: Some(RTTIME_HARD_US),
+        },
+    )
+    .map_err(at(Step::Rlimit("RLIMIT_RTTIME")))?;
+    let had = rustix::process::getrlimit(Resource::Rtprio);
+    match set(Resource::Rtprio, "RLIMIT_RTPRIO", Some(RTPRIO)) {
+        Ok(()) => Ok(true),
+        Err(_) if had.maximum.is_some_and(|m| m < RTPRIO) => {
+            tracing::warn!(
+                "jail: cannot raise RLIMIT_RTPRIO to {RTPRIO} (hard limit {:?}, no \
+                 CAP_SYS_RESOURCE): tight throttle waits will not be boosted",
+                had.maximum
+            );
+            Ok(false)
+        }
+        Err(e) => Err(e),
+    }
 }
 
 /// Calls `f` with each capability number from 0 up until it answers

@@ -31,7 +31,9 @@
 //!    remounted read-only; `pivot_root` into it; the old root detached.
 //! 9. The host name (UTS namespace).
 //! 10. Resource limits, soft = hard: `RLIMIT_NOFILE`, `RLIMIT_AS`,
-//!     `RLIMIT_NPROC`, `RLIMIT_FSIZE`, `RLIMIT_CORE` = 0.
+//!     `RLIMIT_NPROC`, `RLIMIT_FSIZE`, `RLIMIT_CORE` = 0, `RLIMIT_RTPRIO`
+//!     = 1 (where the spawner may raise it); `RLIMIT_RTTIME` soft 200 ms,
+//!     hard 1 s.
 //! 11. Capabilities dropped from the bounding and ambient sets, the
 //!     supplementary groups emptied, `setresgid`, `setresuid` (real,
 //!     effective, saved), the capability sets cleared, `no_new_privs`.
@@ -72,6 +74,7 @@ use std::os::fd::{AsFd, OwnedFd};
 use rustix::fs::{FileType, Mode, OFlags};
 use rustix::thread::UnshareFlags;
 
+pub use creds::{RTPRIO, RTTIME_HARD_US, RTTIME_SOFT_US};
 pub use error::{JailError, Step};
 pub use forvm::{HostView, enter_vm, host_view};
 pub use premade::spawned_in;

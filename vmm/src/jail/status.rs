@@ -27,6 +27,8 @@ pub struct JailStatus {
     /// Hard limits: `RLIMIT_NOFILE`, `RLIMIT_AS`, `RLIMIT_NPROC`,
     /// `RLIMIT_FSIZE`, `RLIMIT_CORE` (`None`: unlimited).
     pub limits: [Option<u64>; 5],
+    /// `RLIMIT_RTPRIO` (hard), `RLIMIT_RTTIME` soft and hard (µs).
+    pub rt_limits: [Option<u64>; 3],
 }
 
 impl JailStatus {
@@ -68,6 +70,11 @@ impl JailStatus {
                 hard(Resource::Nproc),
                 hard(Resource::Fsize),
                 hard(Resource::Core),
+            ],
+            rt_limits: [
+                hard(Resource::Rtprio),
+                rustix::process::getrlimit(Resource::Rttime).current,
+                hard(Resource::Rttime),
             ],
         }
     }
