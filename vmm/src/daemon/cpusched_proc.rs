@@ -6,7 +6,12 @@
 //! 1. the vCPU threads' run times by host tid (`/proc/<pid>/task/<tid>/schedstat`,
 //!    kept open: one `pread` per vCPU, trusted; skipped while the VM is
 //!    parked and settled, as in one process; thread CPU clocks cannot be
-//!    read across processes);
+//!    read across processes). Skipped as well in a tick in which every
+//!    vCPU counts as runnable whatever it did (each ran in one of the
+//!    last [`RUNNABLE_MEMORY_TICKS`]` - 1` ticks: a spinning VM is read
+//!    at every 3rd tick on a quiet host): the count is the same without
+//!    the reads, and the process clock still gives the usage of every
+//!    tick (see [`ProcSource::sample`] for the device thread's share);
 //! 2. the per-vCPU figures the VM process publishes in its gate's page
 //!    (untrusted: clamped, and only ever adding to 3.);
 //! 3. the process total: at least as many busy vCPUs as whole ticks of CPU
@@ -44,6 +49,13 @@ pub(super) struct ProcSource {
     /// Ticks since the process last used 1/[`BUSY_FRACTION`] of a tick
     /// (saturating).
     quiet: u8,
+    /// Process CPU time of the ticks whose `schedstat` reads were skipped
+    /// since the last reading, and how many such ticks.
+    unread_used: u64,
+    unread_ticks: u64,
+    /// Busy helper threads at the last `schedstat` reading (held through
+    /// the skipped ticks).
+    helpers: u32,
 }
 
 impl ProcSource {
@@ -76,6 +88,9 @@ impl ProcSource {
             stale: STALE_TICKS,
             total: process_cpu_ns(pid).unwrap_or(0),
             quiet: RUNNABLE_MEMORY_TICKS,
+            unread_used: 0,
+            unread_ticks: 0,
+            helpers: 0,
         }
     }
 
@@ -117,7 +132,7 @@ impl ProcSource {
         let total = process_cpu_ns(self.pid)
             .unwrap_or(self.total)
             .max(self.total);
-        let used = total - self.total;
+        let mut used = total - self.total;
         self.total = total;
         if used.saturating_mul(BUSY_FRACTION) >= tick_ns {
             self.quiet = 0;
@@ -147,12 +162,35 @@ impl ProcSource {
                 helpers: u32::from(used.saturating_mul(BUSY_FRACTION) >= tick_ns),
             };
         }
+        // Ticks the helper share below is taken over.
+        let mut window = 1;
         if !self.tids.is_empty() && used == 0 {
             // The process ran no thread since the last sample: no vCPU ran
             // and their run times are as last read (no syscall).
             for i in idle.iter_mut().take(self.tids.len()) {
                 busy += u32::from(note_run(i, 0, tick_ns));
             }
+        } else if !self.tids.is_empty()
+            && self.tids.len() == idle.len()
+            && idle
+                .iter()
+                .all(|i| i.saturating_add(1) < RUNNABLE_MEMORY_TICKS)
+        {
+            // Every vCPU ran in a tick less than RUNNABLE_MEMORY_TICKS - 1
+            // ago: each counts as runnable in this tick whatever it did
+            // since (no syscall). What it ran is found at the next
+            // reading; the device thread's share of these ticks then too,
+            // and until then its count of the last reading holds.
+            for i in idle.iter_mut().take(self.tids.len()) {
+                busy += u32::from(note_run(i, 0, tick_ns));
+            }
+            self.unread_used = self.unread_used.saturating_add(used);
+            self.unread_ticks += 1;
+            return Sample {
+                total,
+                busy: Some(busy),
+                helpers: self.helpers,
+            };
         } else if !self.tids.is_empty() {
             for ((t, last), i) in self
                 .tids
@@ -169,6 +207,11 @@ impl ProcSource {
                 vcpus_used = vcpus_used.saturating_add(ran);
                 busy += u32::from(note_run(i, ran, tick_ns));
             }
+            // The run times read cover the skipped ticks as well.
+            used = used.saturating_add(self.unread_used);
+            window += self.unread_ticks;
+            self.unread_used = 0;
+            self.unread_ticks = 0;
         } else if self.stale < STALE_TICKS {
             let now = self.clamp.update(now_ns, self.buf.get(..n).unwrap_or(&[]));
             for ((i, p), c) in idle.iter_mut().zip(self.prev.iter_mut()).zip(now) {
@@ -188,12 +231,14 @@ impl ProcSource {
             vcpus_used = used;
         }
         // What the vCPUs did not use went to the VM's other threads (its
-        // device thread).
+        // device thread): busy if it used 1/BUSY_FRACTION of a tick per
+        // tick of the window.
         let helpers = u32::from(
             used.saturating_sub(vcpus_used)
                 .saturating_mul(BUSY_FRACTION)
-                >= tick_ns,
+                >= tick_ns.saturating_mul(window),
         );
+        self.helpers = helpers;
         Sample {
             total,
             busy: Some(busy),

@@ -562,3 +562,47 @@ fn a_quiet_parked_vm_process_is_read_every_fourth_tick() {
     let _ = child.kill();
     let _ = child.wait();
 }
+
+/// A spinning VM process's reads per tick, counted: after a reading in
+/// which every vCPU ran, each counts as runnable for
+/// `RUNNABLE_MEMORY_TICKS - 1` more ticks whatever it does, so its
+/// `schedstat` files are read at every 3rd tick only (the process clock at
+/// every tick). Before, 1 + 2 reads at every tick of a spinning 2-vCPU VM:
+/// ~12 of the ~21 reads of a tick at 100 vCPUs in process mode.
+#[test]
+fn a_spinning_vm_process_has_its_vcpus_read_every_third_tick() {
+    let (gate, _fd) = Gate::new_shared().unwrap();
+    let mut child = std::process::Command::new("sh")
+        .args(["-c", "while :; do :; done"])
+        .spawn()
+        .unwrap();
+    let pid = child.id() as libc::pid_t;
+    // Two "vCPUs", both the spinning thread.
+    let mut src = proc_source::ProcSource::new(pid, vec![pid, pid], &gate, 2, 0);
+    let mut idle = [RUNNABLE_MEMORY_TICKS; 2];
+    // A 1-ms tick: a spinning thread runs 1/BUSY_FRACTION of it (10 µs)
+    // in every 30 ms slept even on a loaded host.
+    const TICK: u64 = 1_000_000;
+    const TICKS: u64 = 30;
+    let (mut reads, mut all_busy) = (0, 0);
+    for t in 1..=TICKS {
+        std::thread::sleep(Duration::from_millis(30));
+        let s = src.sample(&gate, t * TICK, TICK, &mut idle, false, false, &mut reads);
+        all_busy += u64::from(s.busy == Some(2));
+        assert_eq!(s.helpers, 0, "the process has no thread but its vCPUs");
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    eprintln!("{reads} reads in {TICKS} ticks, {all_busy} ticks with both vCPUs runnable");
+    // One process clock per tick, the two schedstat files at every 3rd.
+    let bound = TICKS + 2 * TICKS.div_ceil(RUNNABLE_MEMORY_TICKS as u64);
+    // (+ 4: one reading that found a vCPU short of 10 µs, read again.)
+    assert!(
+        reads <= bound + 4,
+        "{reads} reads in {TICKS} ticks (at most {bound})"
+    );
+    assert!(
+        all_busy >= TICKS - 3,
+        "both vCPUs runnable in {all_busy} of {TICKS} ticks"
+    );
+}
