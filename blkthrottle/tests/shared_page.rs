@@ -116,6 +116,46 @@ fn backlogged(
     log
 }
 
+/// Streams `reqs[i]` through `ts[i]` until every request is admitted, each
+/// handle polling at the instant it was told plus `late[i]` (ties: the lowest
+/// index first); `each_step(k, now)` runs before the `k`-th poll (from 1).
+/// Returns all admissions in time order.
+fn drain(
+    ts: &mut [Throttle],
+    reqs: &[Vec<Request>],
+    late: &[Nanos],
+    max_steps: usize,
+    mut each_step: impl FnMut(usize, Nanos),
+) -> Result<Vec<(Nanos, Request)>, TestCaseError> {
+    let n = ts.len();
+    let mut next = vec![0usize; n];
+    let mut due: Vec<Nanos> = vec![0; n];
+    let mut log = Vec::new();
+    let mut k = 0usize;
+    while let Some(i) = (0..n)
+        .filter(|&i| next[i] < reqs[i].len())
+        .min_by_key(|&i| due[i])
+    {
+        k += 1;
+        prop_assert!(k < max_steps, "no progress");
+        let now = due[i];
+        each_step(k, now);
+        let r = reqs[i][next[i]];
+        match ts[i].poll(r, now) {
+            Decision::Admit => {
+                log.push((now, r));
+                next[i] += 1;
+            }
+            Decision::Wait { until, .. } => {
+                prop_assert!(until > now);
+                due[i] = until + late[i];
+            }
+        }
+    }
+    log.sort_by_key(|e| e.0);
+    Ok(log)
+}
+
 fn bytes(log: &[(Nanos, Request)]) -> u64 {
     log.iter().map(|e| e.1.bytes).sum()
 }
@@ -186,28 +226,7 @@ proptest! {
     ) {
         let (_page, gs) = handles(&l, 3);
         let mut ts: Vec<Throttle> = gs.iter().map(member).collect();
-        let mut next = [0usize; 3];
-        let mut due: [Nanos; 3] = [0; 3];
-        let mut log: Vec<(Nanos, Request)> = Vec::new();
-        let mut steps = 0;
-        while (0..3).any(|i| next[i] < reqs[i].len()) {
-            steps += 1;
-            prop_assert!(steps < 100_000, "no progress");
-            let i = (0..3).filter(|&i| next[i] < reqs[i].len()).min_by_key(|&i| due[i]).unwrap();
-            let now = due[i];
-            let r = reqs[i][next[i]];
-            match ts[i].poll(r, now) {
-                Decision::Admit => {
-                    log.push((now, r));
-                    next[i] += 1;
-                }
-                Decision::Wait { until, .. } => {
-                    prop_assert!(until > now);
-                    due[i] = until + late[i];
-                }
-            }
-        }
-        log.sort_by_key(|e| e.0);
+        let log = drain(&mut ts, &reqs, &late, 100_000, |_, _| {})?;
         check_window_bound(&l, &log, 0);
     }
 
@@ -282,31 +301,11 @@ proptest! {
     ) {
         let (page, gs) = handles(&l, 3);
         let mut ts = [member(&gs[0]), member(&gs[1])];
-        let mut next = [0usize; 2];
-        let mut due: [Nanos; 2] = [0; 2];
-        let mut log: Vec<(Nanos, Request)> = Vec::new();
-        let mut k = 0usize;
-        while (0..2).any(|i| next[i] < reqs[i].len()) {
-            k += 1;
-            prop_assert!(k < 200_000, "no progress");
-            let i = (0..2).filter(|&i| next[i] < reqs[i].len()).min_by_key(|&i| due[i]).unwrap();
-            let now = due[i];
+        let log = drain(&mut ts, &reqs, &[0, 0], 200_000, |k, now| {
             if k <= scribbles && k.is_multiple_of(every) {
                 page.scribble_slots(seeds[k % seeds.len()] | 1, now);
             }
-            let r = reqs[i][next[i]];
-            match ts[i].poll(r, now) {
-                Decision::Admit => {
-                    log.push((now, r));
-                    next[i] += 1;
-                }
-                Decision::Wait { until, .. } => {
-                    prop_assert!(until > now);
-                    due[i] = until;
-                }
-            }
-        }
-        log.sort_by_key(|e| e.0);
+        })?;
         check_window_bound(&l, &log, 0);
     }
 }
