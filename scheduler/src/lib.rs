@@ -70,15 +70,24 @@
 //!    than half its entitlement (a light or latency-sensitive VM) goes
 //!    first; VMs are admitted in that order until their demand covers the
 //!    capacity (plus a small margin learnt from CPU left idle while VMs
-//!    waited); the rest are parked.
+//!    waited); the rest are parked;
+//! 4. a VM unparked for its turn less than the *minimum slice* ago
+//!    ([`PolicyConfig::min_slice_ns`], default 20 ms = two ticks) keeps
+//!    running: to make room, the VMs step 3 would unpark are deferred,
+//!    lowest lag first, while what runs still covers the host. A slice
+//!    never parks a running VM and never leaves CPU idle, and a tick that
+//!    defers the VM with the most lag starts no new slice, so it gets in
+//!    within one slice. Each turn costs a kick and a wake of every vCPU of
+//!    two VMs; two-tick turns halve them where every VM fills the host.
 //!
 //! So a VM out of credit is parked whenever VMs with credit can use the
 //! host, and runs whenever they cannot (work conservation); admitting just
 //! enough VMs to fill the host keeps the host's per-thread fairness from
 //! diluting the shares; and since usage is charged and credit is bounded,
 //! long-run usage matches entitlements. Enforcement works at tick
-//! granularity: a VM runs for whole ticks, so a VM entitled to 1 % of a CPU
-//! runs one 10 ms tick per second.
+//! granularity: a VM runs for whole ticks, at least a slice when it waited
+//! for its turn, so a 1-vCPU VM entitled to 1 % of a CPU runs one 20 ms
+//! slice every two seconds.
 //!
 //! The tick costs `O(n log n)` for `n` VMs (the ranking sort and the
 //! water-filling), about 60 µs at 1000 VMs in release builds (see the

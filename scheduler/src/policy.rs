@@ -46,6 +46,20 @@ pub struct PolicyConfig {
     /// bounded by one period's worth of entitlement, and `used_pct` in the
     /// stats is averaged over about one period.
     pub period_ns: u64,
+    /// Minimum slice, in ns (default 20 ms, two ticks): a VM that is
+    /// unparked to take its turn keeps running for at least this long
+    /// (unless a cap stops it or it goes idle) before it is ranked against
+    /// the VMs that wait. Each turn costs a kick of the VM parked for it
+    /// and a wake of the VM unparked: with 25 VMs of 4 spinning vCPUs on 2
+    /// CPUs, one-tick turns were a park and an unpark at every tick, and
+    /// the signals and futex wakes were 27 % of the scheduler thread's time
+    /// (BENCHMARKS.md, "Session 8: minimum slice"). A kick takes ~4 ms on
+    /// kvm_pvm, so one-tick turns also ran the outgoing and the incoming VM
+    /// side by side for much of each turn. Credits are charged as before,
+    /// so the long-run shares do not change; turns are just longer (Xen's
+    /// credit scheduler has 10-ms ticks and 30-ms slices for the same
+    /// reasons). 0, or a value up to one tick, gives one-tick turns.
+    pub min_slice_ns: u64,
 }
 
 impl Default for PolicyConfig {
@@ -53,6 +67,7 @@ impl Default for PolicyConfig {
         PolicyConfig {
             tick_ns: 10_000_000,
             period_ns: 100_000_000,
+            min_slice_ns: 20_000_000,
         }
     }
 }
@@ -90,6 +105,12 @@ impl PolicyConfig {
                 tick_ns: self.tick_ns,
             });
         }
+        if self.min_slice_ns > self.period_ns {
+            return Err(ConfigError::SliceLongerThanPeriod {
+                min_slice_ns: self.min_slice_ns,
+                period_ns: self.period_ns,
+            });
+        }
         Ok(())
     }
 }
@@ -107,6 +128,16 @@ pub enum ConfigError {
         period_ns: u64,
         /// Requested tick.
         tick_ns: u64,
+    },
+    /// A minimum slice longer than the accounting period.
+    #[error(
+        "minimum slice ({min_slice_ns} ns) must be at most one accounting period ({period_ns} ns)"
+    )]
+    SliceLongerThanPeriod {
+        /// Requested minimum slice.
+        min_slice_ns: u64,
+        /// Requested period.
+        period_ns: u64,
     },
 }
 
@@ -385,6 +416,8 @@ struct VmState {
     /// Unparked by the previous tick (its last usage may be diluted by the
     /// kick latency of the VM parked at the same time).
     just_unparked: bool,
+    /// When the VM was last unparked (ns; its turn's start).
+    unparked_at: u64,
     // Policy state.
     credit: f64,
     ent: f64,
@@ -440,6 +473,7 @@ impl VmState {
             prev_demand: 0.0,
             last_est: 0.0,
             just_unparked: false,
+            unparked_at: 0,
             credit: 0.0,
             ent: 0.0,
             ent_ref: 0.0,
@@ -586,7 +620,8 @@ pub struct Policy {
     items: Vec<Wf>,
     shares: Vec<f64>,
     events: Vec<(f64, f64)>,
-    candidates: Vec<(bool, f64, u32)>,
+    /// Light incumbent, lag, within its minimum slice, index.
+    candidates: Vec<(bool, f64, bool, u32)>,
     /// VMs that may be light: use per thread, use, threads.
     light: Vec<(f64, f64, f64)>,
     output: TickOutput,
@@ -818,7 +853,7 @@ impl Policy {
         if dt > 0 {
             self.account(dt);
         }
-        self.decide();
+        self.decide(now_ns);
         self.emit(now_ns);
         &self.output
     }
@@ -1124,8 +1159,8 @@ impl Policy {
         }
     }
 
-    /// Chooses which VMs run.
-    fn decide(&mut self) {
+    /// Chooses which VMs run at `now_ns`.
+    fn decide(&mut self, now_ns: u64) {
         self.refresh_holds();
         let Policy {
             vms,
@@ -1133,8 +1168,13 @@ impl Policy {
             candidates,
             capacity_pct,
             margin,
+            config,
             ..
         } = self;
+        // A turn that started less than the minimum slice ago (less half a
+        // tick, for the ticks' jitter) goes on.
+        let slice_end = config.min_slice_ns.saturating_sub(config.tick_ns / 2);
+        let mut slices = false;
         candidates.clear();
         for (i, vm) in vms.iter_mut().enumerate() {
             let c = &classes[vm.class];
@@ -1156,16 +1196,20 @@ impl Policy {
                 // average goes first: light and latency-sensitive VMs are
                 // not preempted by VMs that waited their turn.
                 let incumbent = !vm.parked && vm.credit > 0.0 && vm.used_pct < 0.5 * vm.ent;
-                candidates.push((incumbent, vm.credit / vm.ent.max(1e-9), i as u32));
+                let in_slice = !vm.parked
+                    && vm.unparked_at > 0
+                    && now_ns.saturating_sub(vm.unparked_at) < slice_end;
+                slices |= in_slice;
+                candidates.push((incumbent, vm.credit / vm.ent.max(1e-9), in_slice, i as u32));
                 false
             };
         }
         // Admit in order of lag until the admitted demand covers the host.
         candidates
-            .sort_unstable_by(|a, b| b.0.cmp(&a.0).then(b.1.total_cmp(&a.1)).then(a.2.cmp(&b.2)));
+            .sort_unstable_by(|a, b| b.0.cmp(&a.0).then(b.1.total_cmp(&a.1)).then(a.3.cmp(&b.3)));
         let mut admitted = 0.0;
         let target = *capacity_pct + MARGIN_GAIN * *margin - 1e-6;
-        for &(_, _, i) in candidates.iter() {
+        for &(.., i) in candidates.iter() {
             if admitted >= target {
                 break;
             }
@@ -1180,6 +1224,39 @@ impl Policy {
             let vm = &mut vms[i as usize];
             vm.run = true;
             admitted += vm.demand;
+        }
+        if !slices {
+            return;
+        }
+        // A VM within its minimum slice keeps running. To make room, the
+        // VMs this tick would unpark (parked now) are deferred, lowest lag
+        // first, as long as what runs still covers the host: a slice never
+        // parks a running VM and never leaves CPU idle. Deferral stops at
+        // the first VM that cannot be deferred, so a tick that defers the
+        // waiting VM with the most lag unparks no other VM and starts no
+        // new slice: it gets in within one slice.
+        let mut added = false;
+        for &(_, _, in_slice, i) in candidates.iter() {
+            let vm = &mut vms[i as usize];
+            if in_slice && !vm.run {
+                vm.run = true;
+                admitted += vm.demand;
+                added = true;
+            }
+        }
+        if !added {
+            return;
+        }
+        for &(.., i) in candidates.iter().rev() {
+            let vm = &mut vms[i as usize];
+            if !(vm.run && vm.parked) {
+                continue;
+            }
+            if admitted - vm.demand < target {
+                break;
+            }
+            vm.run = false;
+            admitted -= vm.demand;
         }
     }
 
@@ -1199,6 +1276,7 @@ impl Policy {
                     vm.park_count += 1;
                 } else {
                     vm.just_unparked = true;
+                    vm.unparked_at = now_ns.max(1);
                 }
                 vm.parked = park;
             }
@@ -1683,7 +1761,8 @@ mod tests {
         assert_eq!(
             PolicyConfig {
                 tick_ns: 10,
-                period_ns: 100
+                period_ns: 100,
+                min_slice_ns: 0,
             }
             .validate(),
             Err(ConfigError::TickTooShort(10))
@@ -1691,10 +1770,22 @@ mod tests {
         assert!(
             PolicyConfig {
                 tick_ns: 10_000_000,
-                period_ns: 1_000_000
+                period_ns: 1_000_000,
+                min_slice_ns: 0,
             }
             .validate()
             .is_err()
+        );
+        assert_eq!(
+            PolicyConfig {
+                min_slice_ns: 200_000_000,
+                ..PolicyConfig::default()
+            }
+            .validate(),
+            Err(ConfigError::SliceLongerThanPeriod {
+                min_slice_ns: 200_000_000,
+                period_ns: 100_000_000
+            })
         );
     }
 }

@@ -150,8 +150,9 @@ fn thousand_mixed_work_conservation() {
     }
     s.run_for(S);
     s.reset_counters();
-    // 12 s: the lowest-entitled VMs run one tick every ~6 s by design.
-    s.run_for(12 * S);
+    // 24 s: the lowest-entitled VMs run one minimum slice (two ticks)
+    // every ~12 s by design.
+    s.run_for(24 * S);
     let r = s.report();
     print_classes(&r, &["gold", "silver", "bronze", "web", "batch"]);
     assert!(r.wasted_fraction() < 0.02, "wasted {}", r.wasted_fraction());
@@ -161,8 +162,9 @@ fn thousand_mixed_work_conservation() {
         "cap exceeded by more than 1 %"
     );
     // Nobody who wanted CPU for a while went without. (How long a VM waits
-    // between runs is 10 ms × vCPUs / entitlement: a 3-vCPU VM entitled to
-    // 0.5 % of a CPU runs one tick every 6 s, by design.)
+    // between runs is its minimum slice, 20 ms, × vCPUs / entitlement: a
+    // 3-vCPU VM entitled to 0.5 % of a CPU runs one slice every 12 s, by
+    // design.)
     let mut longest = 0;
     for v in &r.vms {
         if v.wanted_ns > S {

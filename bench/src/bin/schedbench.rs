@@ -39,27 +39,54 @@ fn cls(shares: u32) -> Class {
     }
 }
 
-/// The scheduler thread's CPU over `window`: (% of one CPU, µs per tick,
-/// ticks, clock reads per tick).
-fn self_cost(cpu: &CpuScheduler, window: Duration) -> (f64, f64, u64, f64) {
+/// The scheduler thread's CPU over a window.
+struct Cost {
+    /// Percent of one CPU.
+    pct: f64,
+    /// µs per tick.
+    us: f64,
+    ticks: u64,
+    /// Clock reads per tick.
+    reads: f64,
+    /// Gates parked and opened per tick.
+    parks: f64,
+    unparks: f64,
+}
+
+impl std::fmt::Display for Cost {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{:.3} % of one CPU, {} ticks, {:.1} us per tick, {:.2} clock reads per tick, \
+             {:.2} parks and {:.2} unparks per tick",
+            self.pct, self.ticks, self.us, self.reads, self.parks, self.unparks
+        )
+    }
+}
+
+/// The scheduler thread's CPU over `window`.
+fn self_cost(cpu: &CpuScheduler, window: Duration) -> Cost {
     let (t0, c0) = cpu.self_usage();
-    let r0 = cpu.work().clock_reads;
-    let w0 = Instant::now();
+    let w0 = cpu.work();
+    let start = Instant::now();
     std::thread::sleep(window);
     let (t1, c1) = cpu.self_usage();
-    let r1 = cpu.work().clock_reads;
+    let w1 = cpu.work();
     let ticks = (t1 - t0).max(1);
-    (
-        (c1 - c0) as f64 * 100.0 / w0.elapsed().as_nanos() as f64,
-        (c1 - c0) as f64 / 1000.0 / ticks as f64,
+    let per_tick = |a: u64, b: u64| (b - a) as f64 / ticks as f64;
+    Cost {
+        pct: (c1 - c0) as f64 * 100.0 / start.elapsed().as_nanos() as f64,
+        us: (c1 - c0) as f64 / 1000.0 / ticks as f64,
         ticks,
-        (r1 - r0) as f64 / ticks as f64,
-    )
+        reads: per_tick(w0.clock_reads, w1.clock_reads),
+        parks: per_tick(w0.parks, w1.parks),
+        unparks: per_tick(w0.unparks, w1.unparks),
+    }
 }
 
 /// 25 spinning 4-vCPU probe VMs (classes a:b = 2:1) through the daemon's
 /// manager, as threads or as VM processes; the scheduler thread's cost.
-fn cost_through_manager(processes: bool, window: Duration) -> (f64, f64, u64, f64) {
+fn cost_through_manager(processes: bool, window: Duration) -> Cost {
     let class = |shares| ClassConfig {
         cpu: ClassSpec::new(shares),
         io: Limits::default(),
@@ -116,11 +143,9 @@ fn main() {
             .unwrap_or(10);
         for round in 1..=rounds {
             for processes in [false, true] {
-                let (pct, us, ticks, reads) =
-                    cost_through_manager(processes, Duration::from_secs(secs));
+                let c = cost_through_manager(processes, Duration::from_secs(secs));
                 println!(
-                    "round {round}: scheduler thread, 100 vCPUs (25 VMs x 4), {} mode, {secs} s: \
-                     {pct:.3} % of one CPU, {ticks} ticks, {us:.1} us per tick, {reads:.2} clock reads per tick",
+                    "round {round}: scheduler thread, 100 vCPUs (25 VMs x 4), {} mode, {secs} s: {c}",
                     if processes { "process" } else { "thread" }
                 );
             }
@@ -136,10 +161,8 @@ fn main() {
             b.launch(if i % 2 == 0 { "a" } else { "b" }, 4, 16, &spin(30));
         }
         std::thread::sleep(Duration::from_secs(1));
-        let (pct, us, ticks, reads) = self_cost(b.cpu(), Duration::from_secs(10));
-        println!(
-            "scheduler thread, 100 vCPUs (25 VMs x 4), 10 s: {pct:.3} % of one CPU, {ticks} ticks, {us:.1} us per tick, {reads:.2} clock reads per tick"
-        );
+        let c = self_cost(b.cpu(), Duration::from_secs(10));
+        println!("scheduler thread, 100 vCPUs (25 VMs x 4), 10 s: {c}");
     }
     // 2. Shares 3:1.
     for backend in [Backend::Gate, Backend::Cgroup] {

@@ -73,6 +73,15 @@ struct Tracked {
     run: Option<bool>,
 }
 
+/// A parked and settled VM's idle device thread (or its quiet VM
+/// process) is read every this many ticks. Its vCPUs wait on the gate, so
+/// only I/O still in flight can use CPU: what it uses is charged at the
+/// next reading (clocks are cumulative), at most 160 ms late. With 25 VMs
+/// of 4 spinning vCPUs on 2 CPUs nearly all VMs are parked and settled at
+/// any tick, and reading them every 4th tick was ~6 of the ~15 reads of a
+/// tick (BENCHMARKS.md, "Session 8").
+const SETTLED_READ_TICKS: u64 = 16;
+
 /// Host idle, steal and busy time are read from /proc/stat every this many
 /// ticks.
 const IDLE_SAMPLE_TICKS: u64 = 4;
@@ -95,6 +104,10 @@ pub struct TickWork {
     pub clock_reads: u64,
     /// Reads of `/proc/stat`.
     pub stat_reads: u64,
+    /// Gates parked (each kicks the VM's vCPUs out of `KVM_RUN`).
+    pub parks: u64,
+    /// Gates opened (each wakes the VM's vCPUs waiting on it).
+    pub unparks: u64,
 }
 
 struct Inner {
@@ -354,11 +367,15 @@ impl CpuScheduler {
                 v.settled = true;
             }
             let reads = &mut inner.work.clock_reads;
-            // Idle device threads (quiet parked VM processes) are read in
-            // turn, a quarter of the VMs at each tick.
-            let due = tick_no
-                .wrapping_add(v.slot as u64)
-                .is_multiple_of(IDLE_EXTRA_READ_TICKS);
+            // Idle device threads (quiet VM processes) are read in turn: a
+            // quarter of the running VMs at each tick, a sixteenth of the
+            // settled parked ones.
+            let every = if settled {
+                SETTLED_READ_TICKS
+            } else {
+                IDLE_EXTRA_READ_TICKS
+            };
+            let due = tick_no.wrapping_add(v.slot as u64).is_multiple_of(every);
             let s = match &mut v.source {
                 Source::Process(p) => {
                     let idle = &mut v.idle_ticks;
@@ -423,9 +440,16 @@ impl CpuScheduler {
         if !in_order {
             inner.vms.sort_unstable_by_key(|v| v.slot);
         }
+        let work = &mut inner.work;
         for v in &inner.vms {
-            if let Some(run) = v.run {
-                enforce(&v.gate, run);
+            if let Some(run) = v.run
+                && enforce(&v.gate, run)
+            {
+                if run {
+                    work.unparks += 1;
+                } else {
+                    work.parks += 1;
+                }
             }
         }
     }
@@ -476,14 +500,17 @@ impl Tracked {
 }
 
 /// Makes `gate` match a decision: parks it (kicking its vCPUs) if the VM
-/// must not run and the gate is open, opens it if the VM may run.
-fn enforce(gate: &Gate, should_run: bool) {
+/// must not run and the gate is open, opens it if the VM may run; true if
+/// it changed the gate.
+fn enforce(gate: &Gate, should_run: bool) -> bool {
     if gate.is_parked() == should_run {
         if should_run {
-            gate.unpark();
+            gate.unpark()
         } else {
-            gate.park();
+            gate.park()
         }
+    } else {
+        false
     }
 }
 

@@ -451,6 +451,51 @@ fn per_tick_clock_reads_are_counted_and_bounded() {
     drop(threads);
 }
 
+/// A parked VM whose vCPUs all wait on its gate (settled) has none of
+/// its vCPU clocks read, and its idle device thread only at every 16th
+/// tick (was every 4th: 16 reads in 64 ticks, not 4).
+#[test]
+fn a_settled_parked_vm_is_read_every_sixteenth_tick() {
+    let cpu = capped_vm();
+    let gate = Arc::new(Gate::new());
+    let vcpu = FakeVcpu::spawn(gate.clone());
+    let dev = Sleepers::spawn(1);
+    cpu.attach(VmId(1), gate.clone(), vec![vcpu.tid], dev.tids.clone());
+    // Until the VM has overspent its cap budget by 2 ms: parked for many
+    // ticks (it earns 1 ms per 100 ms).
+    let t0 = Instant::now();
+    loop {
+        std::thread::sleep(Duration::from_millis(20));
+        cpu.tick(10_000_000);
+        let budget = cpu.with(|s| s.stats()).classes[0].cap_budget_ns.unwrap();
+        if budget < -2_000_000 {
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(10), "the VM never ran");
+    }
+    // Until its vCPU waits on the gate and a tick has seen it there, and
+    // the device thread has been idle for a few ticks.
+    while gate.waiting() < 1 {
+        std::thread::sleep(Duration::from_millis(1));
+        assert!(t0.elapsed() < Duration::from_secs(20), "never waited");
+    }
+    for _ in 0..8 {
+        cpu.tick(10_000_000);
+    }
+    let w0 = cpu.work();
+    for _ in 0..64 {
+        cpu.tick(10_000_000);
+    }
+    let w1 = cpu.work();
+    assert_eq!(cpu.with(|s| s.is_parked(VmId(1))), Some(true));
+    assert_eq!(
+        w1.clock_reads - w0.clock_reads,
+        4,
+        "settled: no vCPU clock, the idle device thread at every 16th tick"
+    );
+    assert_eq!(w1.parks + w1.unparks, w0.parks + w0.unparks);
+}
+
 /// Kicks and futex wakes run outside the policy's lock (the manager's API
 /// calls take it): at attach, and at a tick that parks a gate that was
 /// opened behind the policy's back. Level-triggered enforcement still
