@@ -294,6 +294,8 @@ pub struct Disk {
     pub engine: Option<String>,
     pub limits: Limits,
     pub group: Option<String>,
+    /// The disk's weight in `group`: its VM's weight.
+    pub group_weight: Option<u32>,
     pub capacity_bytes: u64,
     pub stats: Option<DiskStats>,
 }
@@ -309,6 +311,7 @@ impl From<DiskInfo> for Disk {
             engine: d.engine.or(c.engine).map(|e| e.to_string()),
             limits: c.limits,
             group: d.group,
+            group_weight: d.group_weight,
             capacity_bytes: d.capacity_bytes,
             stats: d.stats.map(|s| DiskStats {
                 read_ops: s.read.ops,

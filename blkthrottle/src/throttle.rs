@@ -38,6 +38,8 @@ pub enum WaitCause {
 struct Membership {
     group: ThrottleGroup,
     id: u32,
+    /// Its weight in the group (1..=10000).
+    weight: u32,
     /// We have a request registered in the group (pending or granted).
     registered: bool,
 }
@@ -125,20 +127,31 @@ impl Throttle {
         self.group = Some(Membership {
             group: group.clone(),
             id,
+            weight,
             registered: false,
         });
         Ok(())
     }
 
-    /// Changes this disk's weight in its group.
+    /// Changes this disk's weight in its group, live: its place in line
+    /// (its virtual time) is kept, and its next requests advance it by
+    /// their cost scaled by the new weight. In a group over a shared page
+    /// the other processes' members see that through the start tags this
+    /// disk publishes. Without a group: nothing to change.
     pub fn set_weight(&mut self, weight: u32) -> Result<(), LimitsError> {
         if !(1..=10_000).contains(&weight) {
             return Err(LimitsError::InvalidWeight(weight));
         }
-        if let Some(m) = &self.group {
+        if let Some(m) = &mut self.group {
             m.group.lock().set_weight(m.id, weight);
+            m.weight = weight;
         }
         Ok(())
+    }
+
+    /// This disk's weight in its group, if it is in one.
+    pub fn weight(&self) -> Option<u32> {
+        self.group.as_ref().map(|m| m.weight)
     }
 
     /// Leaves the current group, if any.

@@ -142,8 +142,12 @@ fn group_counters_and_moves() {
     assert!(t.join_group(&g2, 0, None).is_err());
     assert!(t.set_weight(10_001).is_err());
     assert_eq!(t.group().map(|g| g.name()), Some("gold"));
+    assert_eq!(t.weight(), Some(300));
+    t.set_weight(250).unwrap();
+    assert_eq!(t.weight(), Some(250));
     t.leave_group();
     assert_eq!(g2.member_count(), 0);
+    assert_eq!(t.weight(), None);
 }
 
 /// A request the disk drops (device reset) gives its place in the group

@@ -341,6 +341,43 @@ fn weights_1_and_3_split_the_rate_1_to_3_across_handles() {
     assert!(a + b <= 9 * rate + 65536 + 4096, "{} bytes", a + b);
 }
 
+/// A live weight change reaches the other processes: two handles of
+/// weight 100 split the page's rate evenly; after `set_weight(300)` on the
+/// first (a VM's weight changed through the API), 3:1 (weighted service
+/// within the fairness window plus a request of each), all of the rate
+/// used. The new weight is seen only through the start tags the member
+/// publishes in its slot.
+#[test]
+fn a_live_weight_change_splits_the_rate_anew_across_handles() {
+    let rate = 1_000_000u64;
+    let l = Limits::parse("bps=1000000,burst_bytes=65536").unwrap();
+    let (_page, gs) = handles(&l, 2);
+    let mut ts = [member_w(&gs[0], 100), member_w(&gs[1], 100)];
+    let r = Request::read(4096);
+    let log = backlogged(&mut ts, &[r, r], &[u64::MAX; 2], 0, 4 * S);
+    let (a, b) = (bytes_in(&log[0], S, 4 * S), bytes_in(&log[1], S, 4 * S));
+    eprintln!("weights 100 and 100: {a} and {b} bytes in 3 s");
+    let bound = 2 * (window_bytes(rate) + 2 * 4096);
+    assert!(a.abs_diff(b) <= bound, "{a} vs {b}, bound {bound}");
+    ts[0].set_weight(300).unwrap();
+    assert_eq!(ts[0].weight(), Some(300));
+    let log = backlogged(&mut ts, &[r, r], &[u64::MAX; 2], 4 * S, 14 * S);
+    // A second for the change to settle (the first member's tag was
+    // level with the other's when the weight changed).
+    let (a, b) = (
+        bytes_in(&log[0], 5 * S, 14 * S),
+        bytes_in(&log[1], 5 * S, 14 * S),
+    );
+    eprintln!("after set_weight(300) on the first: {a} and {b} bytes in 9 s");
+    let (sa, sb) = (a * 100 / 300, b);
+    let bound = 2 * (window_bytes(rate) + 4096 * 100 / 300 + 4096);
+    assert!(
+        sa.abs_diff(sb) <= bound,
+        "weighted service {sa} vs {sb}, bound {bound}: {a} and {b} bytes"
+    );
+    assert!(a + b >= 9 * rate * 99 / 100, "{} bytes: rate lost", a + b);
+}
+
 /// A handle with requests as large as the bucket and one with small ones
 /// polling first at every instant, equal weights: the small ones would
 /// keep the bucket from ever filling; the large request's place in line

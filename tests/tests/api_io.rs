@@ -198,3 +198,75 @@ fn class_io_limits_are_shared_by_its_disks_and_change_live() {
     d.req("DELETE", "/v1/vms/vd", None);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A VM's disks are in its class's I/O group with the VM's weight (not the
+/// group's default 100), in the daemon (`--vm-mode thread`) and in a VM
+/// process: created with weight 300, the disk shows `group_weight` 300; a
+/// move within the class with a new weight changes it live (the disk stays
+/// in the group); a move to another class joins that class's group with
+/// the VM's weight.
+#[test]
+fn a_vms_disks_join_its_class_group_with_its_weight() {
+    for mode in ["thread", "process"] {
+        let d = Daemon::start(&["--vm-mode", mode]);
+        let dir =
+            std::env::temp_dir().join(format!("corral-api-io-w-{mode}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let img = dir.join("w.img");
+        std::fs::File::create(&img)
+            .unwrap()
+            .set_len(1 << 20)
+            .unwrap();
+        for c in ["wa", "wb"] {
+            let body = json!({"name": c, "shares": 100, "io": {"bps": 10_000_000}});
+            let r = d.req("POST", "/v1/classes", Some(&body.to_string()));
+            assert_eq!(r.status, 201, "{}", r.text());
+        }
+        let body = json!({
+            "name": "vw", "class": "wa", "weight": 300, "memory_mib": 64,
+            "cmdline": "probe.mode=spin probe.secs=30",
+            "disks": [{"id": "data", "path": img}]
+        });
+        let r = d.req("POST", "/v1/vms", Some(&body.to_string()));
+        assert_eq!(r.status, 201, "{}", r.text());
+        let disk = |d: &Daemon| {
+            let v = d.req("GET", "/v1/vms/vw", None).json();
+            (
+                v["disks"][0]["group"].clone(),
+                v["disks"][0]["group_weight"].clone(),
+            )
+        };
+        // A VM process's counters are up to 100 ms old.
+        let expect = |d: &Daemon, group: &str, weight: u32| {
+            wait_until(Duration::from_secs(5), || {
+                let (g, w) = disk(d);
+                (g == group && w == weight).then_some(())
+            })
+            .unwrap_or_else(|| {
+                panic!("{mode}: want {group} at weight {weight}, got {:?}", disk(d))
+            });
+        };
+        expect(&d, "class:wa", 300);
+        let r = d.req(
+            "POST",
+            "/v1/vms/vw/move",
+            Some(r#"{"class":"wa","weight":500}"#),
+        );
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert_eq!(r.json()["weight"], 500);
+        expect(&d, "class:wa", 500);
+        let r = d.req("POST", "/v1/vms/vw/move", Some(r#"{"class":"wb"}"#));
+        assert_eq!(r.status, 200, "{}", r.text());
+        expect(&d, "class:wb", 500);
+        let r = d.req(
+            "POST",
+            "/v1/vms/vw/move",
+            Some(r#"{"class":"wa","weight":40}"#),
+        );
+        assert_eq!(r.status, 200, "{}", r.text());
+        expect(&d, "class:wa", 40);
+        eprintln!("{mode}: the disk followed the VM's weight: 300, 500, 500 (moved), 40");
+        d.req("DELETE", "/v1/vms/vw", None);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

@@ -9,7 +9,9 @@
 //! a `kill -9` of the daemon, the next one re-attaches the re-adopted VM
 //! processes to its own class pages. The class's group is also fair across
 //! the VM processes (start tags in the page): two VMs of equal weight each
-//! get half of what the class reads, within [`SPLIT`].
+//! get half of what the class reads, within [`SPLIT`]; VMs of weights 300
+//! and 100 get 3/4 and 1/4 (their disks are in the group with their VMs'
+//! weights), also after a live weight change.
 
 use std::time::{Duration, Instant};
 
@@ -56,18 +58,37 @@ const SPLIT: f64 = 0.10;
 
 /// Each VM's share of the sum, checked against [`SPLIT`]; printed.
 fn check_split(what: &str, a: f64, b: f64) {
+    check_share(what, a, b, 0.5, SPLIT);
+}
+
+/// `va`'s share of the sum within `tol` of `want`; printed.
+fn check_share(what: &str, a: f64, b: f64, want: f64, tol: f64) {
     let share = a / (a + b);
-    eprintln!("{what}: va's share {share:.3}, vb's {:.3}", 1.0 - share);
+    eprintln!(
+        "{what}: va {a:.0} B/s + vb {b:.0} B/s = {:.0} B/s; va's share {share:.3}, vb's {:.3} (want {want:.3} +- {tol})",
+        a + b,
+        1.0 - share
+    );
     assert!(
-        (share - 0.5).abs() <= SPLIT,
-        "{what}: va {a:.0} B/s, vb {b:.0} B/s: not within {SPLIT} of an even split"
+        (share - want).abs() <= tol,
+        "{what}: va {a:.0} B/s, vb {b:.0} B/s: va's share {share:.3} not within {tol} of {want}"
     );
 }
+
+/// How far from its weighted share `va`'s share of the sum may be, over a
+/// 3-s window, for two VM processes of unequal weights (the bound issue 15
+/// set; [`SPLIT`] is wider for the even split on a loaded host).
+const WEIGHTED_SPLIT: f64 = 0.07;
 
 /// Classes `names` with `bps=2M` (128 KiB bucket), and VMs `va` and `vb`
 /// in the first, each reading its whole 64 MiB disk 64 KiB at a time, 4 in
 /// flight: far more than the limit lets through while the test runs.
 fn two_readers(d: &Daemon, dir: &std::path::Path, names: &[&str]) {
+    two_weighted_readers(d, dir, names, [100, 100]);
+}
+
+/// [`two_readers`] with the VMs' weights (`va`'s, `vb`'s).
+fn two_weighted_readers(d: &Daemon, dir: &std::path::Path, names: &[&str], weights: [u32; 2]) {
     std::fs::create_dir_all(dir).unwrap();
     for c in names {
         let body =
@@ -76,15 +97,15 @@ fn two_readers(d: &Daemon, dir: &std::path::Path, names: &[&str]) {
         assert_eq!(r.status, 201, "{}", r.text());
     }
     let job = "probe.mode=blk probe.op=read probe.size=64M probe.bs=64K probe.qd=4";
-    for name in ["va", "vb"] {
+    for (name, weight) in ["va", "vb"].into_iter().zip(weights) {
         let p = dir.join(format!("{name}.img"));
         std::fs::File::create(&p)
             .unwrap()
             .set_len(64 << 20)
             .unwrap();
         let body = json!({
-            "name": name, "class": names[0], "memory_mib": 64, "cmdline": job,
-            "disks": [{"id": "data", "path": p}]
+            "name": name, "class": names[0], "weight": weight, "memory_mib": 64,
+            "cmdline": job, "disks": [{"id": "data", "path": p}]
         });
         let r = d.req("POST", "/v1/vms", Some(&body.to_string()));
         assert_eq!(r.status, 201, "{}", r.text());
@@ -211,4 +232,49 @@ fn a_moved_vm_switches_group_and_a_readopted_one_rejoins_its_class() {
     }
     drop(d);
     let _ = std::fs::remove_dir_all(&base);
+}
+
+/// The class's I/O is shared among its VMs by their weights, as its CPU:
+/// each VM's disks are in the class's group with the VM's weight, in every
+/// VM process (the start tags they publish in the class's page are
+/// weighted). VMs of weights 300 and 100 in a `bps=2M` class, both reading
+/// flat out, split it 3:1; after a live weight change (`vb` moved within
+/// its class with weight 900: its disk keeps its place in the group, at
+/// the new weight), 1:3. Before, every disk joined at weight 100: 1:1
+/// both times.
+#[test]
+fn vm_weights_split_a_class_io_limit_across_vm_processes() {
+    let d = Daemon::start(&[]);
+    let dir = std::env::temp_dir().join(format!("corral-api-io-weight-{}", std::process::id()));
+    two_weighted_readers(&d, &dir, &["wclass"], [300, 100]);
+    let weight = |vm: &str| {
+        d.req("GET", &format!("/v1/vms/{vm}"), None).json()["disks"][0]["group_weight"].clone()
+    };
+    assert_eq!(weight("va"), 300);
+    assert_eq!(weight("vb"), 100);
+    let (a, b) = rates(&d, 3.0);
+    assert!(
+        a + b <= LIMIT * 1.1,
+        "{:.0} B/s over the class's limit",
+        a + b
+    );
+    check_share("weights 300/100, bps=2M", a, b, 0.75, WEIGHTED_SPLIT);
+
+    let r = d.req(
+        "POST",
+        "/v1/vms/vb/move",
+        Some(r#"{"class":"wclass","weight":900}"#),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    wait_until(Duration::from_secs(5), || {
+        (weight("vb") == 900).then_some(())
+    })
+    .unwrap_or_else(|| panic!("vb's disk weight: {}", weight("vb")));
+    std::thread::sleep(Duration::from_millis(300));
+    let (a, b) = rates(&d, 3.0);
+    check_share("weights 300/900 (live), bps=2M", a, b, 0.25, WEIGHTED_SPLIT);
+    for vm in ["va", "vb"] {
+        d.req("DELETE", &format!("/v1/vms/{vm}"), None);
+    }
+    let _ = std::fs::remove_dir_all(&dir);
 }

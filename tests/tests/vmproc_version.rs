@@ -142,7 +142,7 @@ fn a_vm_process_of_protocol_version_1_is_not_adopted() {
     assert_eq!(v["exit"]["reason"], "not_adopted", "{v}");
     let msg = v["exit"]["message"].as_str().unwrap_or_default();
     assert!(
-        msg.contains("version 1") && msg.contains("version 2"),
+        msg.contains("version 1") && msg.contains("version 3"),
         "the reason names both versions: {msg}"
     );
     // Left running: not stopped as a stray, not killed.

@@ -17,9 +17,11 @@ use crate::vm::VmError;
 /// What to do to a disk.
 pub(crate) enum DiskOp {
     /// Replace its limits (keeping its queue and earned tokens).
-    SetLimits(Limits),
+    Limits(Limits),
     /// Move it into a throttle group (or out of any).
-    SetGroup(Option<(ThrottleGroup, u32)>),
+    Group(Option<(ThrottleGroup, u32)>),
+    /// Change its weight in its group, keeping its place there.
+    Weight(u32),
 }
 
 /// A message to a VM's device thread: an operation on one of its disks.

@@ -99,8 +99,9 @@ impl MutEventSubscriber for Wake {
                 continue;
             }
             let r = self.with_disk(msg.disk, |b| match &msg.op {
-                DiskOp::SetLimits(limits) => b.set_limits(limits),
-                DiskOp::SetGroup(group) => b.set_group(group.as_ref().map(|(g, w)| (g, *w))),
+                DiskOp::Limits(limits) => b.set_limits(limits),
+                DiskOp::Group(group) => b.set_group(group.as_ref().map(|(g, w)| (g, *w))),
+                DiskOp::Weight(w) => b.set_group_weight(*w),
             });
             let _ = msg.reply.send(r);
         }

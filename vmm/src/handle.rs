@@ -126,6 +126,7 @@ impl VmHandle {
                 stats: d.counters.throttle_stats(),
                 device: d.counters.device(),
                 group: d.counters.group(),
+                group_weight: d.counters.group_weight(),
             })
             .collect()
     }
@@ -180,7 +181,13 @@ impl VmHandle {
         disk: &str,
         group: Option<(ThrottleGroup, u32)>,
     ) -> Result<(), VmError> {
-        self.disk_control(disk, DiskOp::SetGroup(group))
+        self.disk_control(disk, DiskOp::Group(group))
+    }
+
+    /// Changes a disk's weight in its throttle group, keeping its place
+    /// there; applied by the device thread between two requests.
+    pub fn set_disk_weight(&self, disk: &str, weight: u32) -> Result<(), VmError> {
+        self.disk_control(disk, DiskOp::Weight(weight))
     }
 
     /// Changes a disk's limits live. The device thread swaps them between two
@@ -189,7 +196,7 @@ impl VmHandle {
     /// [`VmError::DeviceUnresponsive`] if its device thread did not answer
     /// in time, [`VmError::Disk`] for limits the device refuses.
     pub fn set_disk_limits(&self, disk: &str, limits: Limits) -> Result<(), VmError> {
-        self.disk_control(disk, DiskOp::SetLimits(limits))
+        self.disk_control(disk, DiskOp::Limits(limits))
     }
 
     /// Presses the VM's ACPI power button (the guest decides what to do;

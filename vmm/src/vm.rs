@@ -148,6 +148,8 @@ pub struct DiskStatus {
     pub device: BlockStatsSnapshot,
     /// The throttle group the disk is in now, if any.
     pub group: Option<String>,
+    /// The disk's weight in that group (its VM's weight), if it is in one.
+    pub group_weight: Option<u32>,
 }
 
 impl VmConfig {

@@ -15,6 +15,15 @@
 //! fd in `Hello` and after `files`, class pages): a version-1 VM process a
 //! new daemon finds after an upgrade is refused with both versions named
 //! (and reported not adopted), never half-understood.
+//!
+//! The rule, since: any change to a message (a new request, a new field,
+//! a new variant) bumps [`PROTOCOL_VERSION`], so that two ends that
+//! decode each other's messages always agree on all of them. Version 3:
+//! [`Request::SetDiskWeight`] (a VM's weight, which its disks have in
+//! their class's I/O group, changes live) and [`WireDisk::group_weight`].
+//! A VM process of version 2 that a version-3 daemon finds after an
+//! upgrade is not adopted (left running, reported `not_adopted` naming
+//! both versions), as version 1's.
 
 use std::path::PathBuf;
 
@@ -25,7 +34,7 @@ use corral_devices::virtio::blk::{BlockStatsSnapshot, IoEngine};
 
 /// The protocol's version; either end refuses a message of any other
 /// (the header [`super::wire::send`] writes first in every message).
-pub const PROTOCOL_VERSION: u32 = 2;
+pub const PROTOCOL_VERSION: u32 = 3;
 
 /// Largest datagram either side sends or accepts.
 pub const MAX_MESSAGE: usize = 256 * 1024;
@@ -35,7 +44,7 @@ pub const CONSOLE_CHUNK: usize = 16 * 1024;
 
 /// The configuration message, the first one on the socket; its files
 /// travel as SCM_RIGHTS, indexed by the `fd` fields. On the wire
-/// `{"version":2,"vm":{..}}`: the version header is where version 1's
+/// `{"version":3,"vm":{..}}`: the version header is where version 1's
 /// `Hello` had its `version` field.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -245,6 +254,15 @@ pub enum Request {
         /// Group.
         group: Option<GroupSpec>,
     },
+    /// Changes a disk's weight in its group (its VM's weight changed),
+    /// keeping its place in line there; nothing to do for a disk in no
+    /// group. Since version 3.
+    SetDiskWeight {
+        /// Disk.
+        disk: String,
+        /// New weight, 1..=10000.
+        weight: u32,
+    },
     /// Changes the limits of the process's group of that name, if any.
     SetGroupLimits {
         /// Group.
@@ -425,6 +443,8 @@ pub struct WireDisk {
     pub capacity_bytes: u64,
     pub limits: WireLimits,
     pub group: Option<String>,
+    /// The disk's weight in `group` (since version 3).
+    pub group_weight: Option<u32>,
     pub stats: WireStats,
     pub device: BlockStatsSnapshot,
     pub engine: String,

@@ -355,6 +355,7 @@ impl RemoteVm {
                 engine: super::proto::engine_of(&d.engine)
                     .unwrap_or(corral_devices::virtio::blk::IoEngine::Sync),
                 group: d.group.clone(),
+                group_weight: d.group_weight,
             })
             .collect()
     }
@@ -413,6 +414,15 @@ impl RemoteVm {
             },
             &fds,
         )
+        .map(drop)
+    }
+
+    /// Changes a disk's weight in its group, keeping its place there.
+    pub fn set_disk_weight(&self, disk: &str, weight: u32) -> Result<(), VmError> {
+        self.call(Request::SetDiskWeight {
+            disk: disk.to_string(),
+            weight,
+        })
         .map(drop)
     }
 

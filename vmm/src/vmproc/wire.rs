@@ -3,14 +3,14 @@
 //! as SCM_RIGHTS beside it.
 //!
 //! Every message starts with its version header, the key `version` first
-//! in the object (`{"version":2,"id":1,"req":"status"}`), and [`recv`]
+//! in the object (`{"version":3,"id":1,"req":"status"}`), and [`recv`]
 //! reads it before any field of the message: a message of another version
 //! is [`WireError::Version`], naming both, whatever its fields are. Version
 //! 1 can express this header too: its first message, `Hello`, began with
 //! its own `version` field, and its other messages had none (a message
 //! without the header is version 1's). So a version-1 `Hello` is refused
 //! for its version, not for a field it lacks, and a version-1 VM process
-//! that gets a version-2 `Hello` (the same shape) refuses it for its
+//! that gets a later version's `Hello` (the same shape) refuses it for its
 //! version too.
 
 use std::io::{IoSlice, IoSliceMut};
@@ -311,22 +311,22 @@ mod tests {
     fn a_daemon_refuses_a_version_1_vm_process_by_its_header() {
         use crate::vmproc::proto::FromVm;
         for v1 in [
-            r#"{"start_failed":{"message":"protocol version 2 is not supported: this corral vmm speaks version 1"}}"#,
+            r#"{"start_failed":{"message":"protocol version 3 is not supported: this corral vmm speaks version 1"}}"#,
             r#"{"reply":{"id":1,"resp":{"status":{"name":"a","nonce":"n","pid":1,"paused":false,"parked":false,"unsupervised":true,"exit":null,"vcpu_tids":[],"device_tid":null,"uptime_secs":1.0}}}}"#,
             r#"{"reply":{"id":0,"resp":{"error":{"message":"VM process protocol: unknown field `version`","kind":"other"}}}}"#,
         ] {
             let e = decode::<FromVm>(v1.as_bytes()).unwrap_err();
             assert!(
-                matches!(e, WireError::Version { ours: 2, theirs: 1 }),
+                matches!(e, WireError::Version { ours: 3, theirs: 1 }),
                 "{v1}: {e}"
             );
             let m = e.to_string();
-            assert!(m.contains("version 1") && m.contains("version 2"), "{m}");
+            assert!(m.contains("version 1") && m.contains("version 3"), "{m}");
         }
         // A later version is named too, whatever its message holds.
-        let e = decode::<FromVm>(br#"{"version":3,"hello_v3":{"x":1}}"#).unwrap_err();
+        let e = decode::<FromVm>(br#"{"version":4,"hello_v4":{"x":1}}"#).unwrap_err();
         assert!(
-            matches!(e, WireError::Version { ours: 2, theirs: 3 }),
+            matches!(e, WireError::Version { ours: 3, theirs: 4 }),
             "{e}"
         );
     }
@@ -340,20 +340,20 @@ mod tests {
         use crate::vmproc::proto::Hello;
         let e = decode::<Hello>(br#"{"version":1,"vm":{"park_relay":true}}"#).unwrap_err();
         assert!(
-            matches!(e, WireError::Version { ours: 2, theirs: 1 }),
+            matches!(e, WireError::Version { ours: 3, theirs: 1 }),
             "{e}"
         );
         let e = decode::<ToVm>(br#"{"id":4,"req":"park"}"#).unwrap_err();
         assert!(
-            matches!(e, WireError::Version { ours: 2, theirs: 1 }),
+            matches!(e, WireError::Version { ours: 3, theirs: 1 }),
             "{e}"
         );
         // Its own version's messages still refuse unknown fields, in the
         // message and after it.
         for bad in [
-            r#"{"version":2,"id":1,"req":"stats","x":1}"#,
-            r#"{"version":2,"id":1,"req":"format_disk"}"#,
-            r#"{"version":2}"#,
+            r#"{"version":3,"id":1,"req":"stats","x":1}"#,
+            r#"{"version":3,"id":1,"req":"format_disk"}"#,
+            r#"{"version":3}"#,
         ] {
             assert!(
                 matches!(decode::<ToVm>(bad.as_bytes()), Err(WireError::Decode(_))),
@@ -362,7 +362,7 @@ mod tests {
         }
         assert!(matches!(
             decode::<crate::vmproc::proto::FromVm>(
-                br#"{"version":2,"start_failed":{"message":"m"},"x":1}"#
+                br#"{"version":3,"start_failed":{"message":"m"},"x":1}"#
             ),
             Err(WireError::Decode(_))
         ));
@@ -389,7 +389,7 @@ mod tests {
             .0;
         assert_eq!(
             std::str::from_utf8(&buf[..n]).unwrap(),
-            r#"{"version":2,"id":5,"req":"status"}"#
+            r#"{"version":3,"id":5,"req":"status"}"#
         );
         let m = FromVm::StartFailed {
             message: "m".into(),
@@ -412,7 +412,7 @@ mod tests {
         let (a, b) = pair().unwrap();
         rustix::net::send(
             &a,
-            b"{\"version\":2,\"id\":1,\"req\":\"format_disk\"}",
+            b"{\"version\":3,\"id\":1,\"req\":\"format_disk\"}",
             SendFlags::empty(),
         )
         .unwrap();

@@ -88,6 +88,19 @@ impl Block {
         Ok(())
     }
 
+    /// Changes the disk's weight in its group live (its place in line is
+    /// kept; its next requests are served at the new weight). Nothing to
+    /// do for a disk in no group.
+    pub fn set_group_weight(&mut self, weight: u32) -> Result<(), LimitsError> {
+        if let Some(t) = self.throttle.as_mut() {
+            t.set_weight(weight)?;
+        } else if !(1..=10_000).contains(&weight) {
+            return Err(LimitsError::InvalidWeight(weight));
+        }
+        self.publish();
+        Ok(())
+    }
+
     /// Re-polls a waiting request now (after a live limit change) and
     /// resumes the queue if it is admitted.
     pub fn throttle_changed(&mut self) {
@@ -96,10 +109,10 @@ impl Block {
 
     /// Publishes the throttle's settings in the disk's counters.
     fn publish(&self) {
-        let (limits, group) = match &self.throttle {
-            Some(t) => (t.limits(), t.group_name()),
-            None => (Limits::default(), None),
+        let (limits, group, weight) = match &self.throttle {
+            Some(t) => (t.limits(), t.group_name(), t.group_weight()),
+            None => (Limits::default(), None, None),
         };
-        self.counters.publish(limits, group);
+        self.counters.publish(limits, group, weight);
     }
 }

@@ -97,6 +97,7 @@ impl BlockStats {
 struct Settings {
     limits: Limits,
     group: Option<String>,
+    weight: Option<u32>,
 }
 
 /// Everything a disk publishes for the API, shared by its device
@@ -140,13 +141,22 @@ impl DiskCounters {
         self.settings().group
     }
 
+    /// The disk's weight in that group, if it is in one.
+    pub fn group_weight(&self) -> Option<u32> {
+        self.settings().weight
+    }
+
     /// The sink the device's throttles count into.
     pub(super) fn throttle_sink(&self) -> Arc<SharedStats> {
         self.throttle.clone()
     }
 
-    pub(super) fn publish(&self, limits: Limits, group: Option<String>) {
-        *self.lock_settings() = Settings { limits, group };
+    pub(super) fn publish(&self, limits: Limits, group: Option<String>, weight: Option<u32>) {
+        *self.lock_settings() = Settings {
+            limits,
+            group,
+            weight,
+        };
     }
 
     fn settings(&self) -> Settings {

@@ -865,10 +865,16 @@ impl RequestThrottle for FakeThrottle {
     ) -> Result<(), throttle::LimitsError> {
         Ok(())
     }
+    fn set_weight(&mut self, _: u32) -> Result<(), throttle::LimitsError> {
+        Ok(())
+    }
     fn limits(&self) -> throttle::Limits {
         throttle::Limits::default()
     }
     fn group_name(&self) -> Option<String> {
+        None
+    }
+    fn group_weight(&self) -> Option<u32> {
         None
     }
 }

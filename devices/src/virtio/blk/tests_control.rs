@@ -39,7 +39,15 @@ fn limits_and_group_change_live_and_are_published() {
         .set_group(Some((&g, DEFAULT_WEIGHT)))
         .unwrap();
     assert_eq!(c.group().as_deref(), Some("class:gold"));
+    assert_eq!(c.group_weight(), Some(DEFAULT_WEIGHT));
     read_4k(&mut h);
+    // The weight in the group changes live and is published.
+    lock(&h.block).set_group_weight(300).unwrap();
+    assert_eq!(c.group_weight(), Some(300));
+    assert!(lock(&h.block).set_group_weight(0).is_err());
+    assert!(lock(&h.block).set_group_weight(10_001).is_err());
+    assert_eq!(c.group_weight(), Some(300));
+    assert_eq!(g.member_count(), 1);
 
     // Limits the throttle refuses change nothing.
     let bad = Limits {
@@ -54,6 +62,7 @@ fn limits_and_group_change_live_and_are_published() {
     let t = Throttle::new(&Limits::default(), monotonic_ns()).unwrap();
     lock(&h.block).set_throttle(Some(Box::new(t)));
     assert_eq!(c.group(), None, "the new throttle is in no group");
+    assert_eq!(c.group_weight(), None);
     assert!(c.limits().is_unlimited());
     read_4k(&mut h);
 

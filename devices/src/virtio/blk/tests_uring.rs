@@ -48,11 +48,17 @@ impl RequestThrottle for FakeClock {
     ) -> Result<(), throttle::LimitsError> {
         RequestThrottle::set_group(&mut self.inner, g)
     }
+    fn set_weight(&mut self, w: u32) -> Result<(), throttle::LimitsError> {
+        RequestThrottle::set_weight(&mut self.inner, w)
+    }
     fn limits(&self) -> throttle::Limits {
         RequestThrottle::limits(&self.inner)
     }
     fn group_name(&self) -> Option<String> {
         RequestThrottle::group_name(&self.inner)
+    }
+    fn group_weight(&self) -> Option<u32> {
+        RequestThrottle::group_weight(&self.inner)
     }
     fn count_into(&mut self, sink: Arc<throttle::SharedStats>) {
         RequestThrottle::count_into(&mut self.inner, sink)

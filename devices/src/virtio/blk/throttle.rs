@@ -45,10 +45,15 @@ pub trait RequestThrottle: Send {
     fn set_limits(&mut self, limits: &Limits, now: Nanos) -> Result<(), LimitsError>;
     /// Moves the disk into `group` with a weight, or out of any group.
     fn set_group(&mut self, group: Option<(&ThrottleGroup, u32)>) -> Result<(), LimitsError>;
+    /// Changes the disk's weight in its group live, keeping its place
+    /// there (nothing to do outside a group).
+    fn set_weight(&mut self, weight: u32) -> Result<(), LimitsError>;
     /// The disk's own limits.
     fn limits(&self) -> Limits;
     /// The name of the group the disk is in, if any.
     fn group_name(&self) -> Option<String>;
+    /// The disk's weight in its group, if it is in one.
+    fn group_weight(&self) -> Option<u32>;
     /// Counts into `sink` from now on: the device's counters, which outlive
     /// a throttle. A throttle that keeps no counters ignores it.
     fn count_into(&mut self, _sink: Arc<SharedStats>) {}
@@ -85,11 +90,17 @@ impl RequestThrottle for corral_blkthrottle::Throttle {
             }
         }
     }
+    fn set_weight(&mut self, weight: u32) -> Result<(), LimitsError> {
+        corral_blkthrottle::Throttle::set_weight(self, weight)
+    }
     fn limits(&self) -> Limits {
         corral_blkthrottle::Throttle::limits(self)
     }
     fn group_name(&self) -> Option<String> {
         self.group().map(|g| g.name().to_string())
+    }
+    fn group_weight(&self) -> Option<u32> {
+        corral_blkthrottle::Throttle::weight(self)
     }
     fn count_into(&mut self, sink: Arc<SharedStats>) {
         corral_blkthrottle::Throttle::count_into(self, sink)

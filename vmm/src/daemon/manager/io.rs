@@ -79,14 +79,15 @@ impl Manager {
         }
     }
 
-    /// Puts every disk of VM process `vm` (of `class`) in the class's
-    /// group over the class's page: at its start the daemon passes the page
-    /// with its configuration; a re-adopted VM process gets this daemon's
-    /// page here (its old one belonged to the last daemon).
+    /// Puts every disk of VM process `vm` (of `class`, with `weight`) in
+    /// the class's group over the class's page: at its start the daemon
+    /// passes the page with its configuration; a re-adopted VM process gets
+    /// this daemon's page here (its old one belonged to the last daemon).
     pub(super) fn attach_class_io(
         &self,
         vm: &crate::vmproc::remote::RemoteVm,
         class: &str,
+        weight: u32,
         disks: &[DiskRequest],
     ) {
         if disks.is_empty() {
@@ -101,7 +102,7 @@ impl Manager {
         };
         let Some(group) = group else { return };
         for d in disks {
-            let g = Some((group.clone(), corral_blkthrottle::DEFAULT_WEIGHT));
+            let g = Some((group.clone(), weight));
             if let Err(e) = vm.set_disk_group(&d.id, g, page.as_deref()) {
                 tracing::warn!(vm = vm.name(), disk = d.id, "class I/O group: {e}");
             }

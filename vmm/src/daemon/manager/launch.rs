@@ -84,10 +84,9 @@ impl Manager {
                 engine: d.engine,
                 limits: d.limits,
                 // Every disk is in its class's I/O group (unlimited until the
-                // class gets `io` limits), so class limits apply live.
-                group: class_group
-                    .clone()
-                    .map(|g| (g, corral_blkthrottle::DEFAULT_WEIGHT)),
+                // class gets `io` limits), so class limits apply live, with
+                // the VM's weight: VMs share the class's I/O as its CPU.
+                group: class_group.clone().map(|g| (g, req.weight)),
                 file: Some(f.clone()),
             })
             .collect();

@@ -117,6 +117,7 @@ impl Entry {
                         capacity_bytes: 0,
                         stats: None,
                         group: None,
+                        group_weight: None,
                         engine: None,
                     })
                     .collect(),
@@ -156,6 +157,7 @@ impl Entry {
                 d.capacity_bytes = live.capacity_bytes;
                 d.stats = Some(live.stats);
                 d.group = live.group;
+                d.group_weight = live.group_weight;
                 d.engine = Some(live.engine);
             }
         }

@@ -267,6 +267,9 @@ pub struct DiskInfo {
     /// The I/O group the disk is in now (`class:<its VM's class>`), when
     /// the VM has the disk attached.
     pub group: Option<String>,
+    /// The disk's weight in that group (its VM's weight), when the VM has
+    /// the disk attached.
+    pub group_weight: Option<u32>,
     /// The engine serving the disk, when the VM has it attached.
     pub engine: Option<IoEngine>,
 }

@@ -71,7 +71,12 @@ impl Manager {
                         continue;
                     }
                     self.images.book(&v.name, files.iter());
-                    self.attach_class_io(&vm, &old.request.class, &old.request.disks);
+                    self.attach_class_io(
+                        &vm,
+                        &old.request.class,
+                        old.request.weight,
+                        &old.request.disks,
+                    );
                     self.cg_readopt(&v.name, &old.request, &vm);
                     // The gate the VM process gave back, owned again; it
                     // runs unsupervised, its gate open, without one.

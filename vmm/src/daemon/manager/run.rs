@@ -127,6 +127,10 @@ impl VmRun {
             VmRun::Remote(h) => h.set_disk_group(disk, group, page),
         }
     }
+    /// A disk's weight in its group, live (its place in line is kept).
+    pub fn set_disk_weight(&self, disk: &str, weight: u32) -> Result<(), VmError> {
+        each!(self, h => h.set_disk_weight(disk, weight))
+    }
     /// A group's limits changed: an in-process VM shares the daemon's
     /// group object (nothing to do); a VM process's handle of the group
     /// takes them as its own bound (the group's shared page has them).

@@ -406,6 +406,8 @@ impl Manager {
                     )));
                 }
             }
+            let old_class = lock(&e.class).clone();
+            let old_weight = e.weight.load(Ordering::Relaxed);
             s.move_vm(e.id, class)?;
             if let Some(w) = weight {
                 s.set_vm_weight(e.id, w)?;
@@ -425,22 +427,33 @@ impl Manager {
             *lock(&e.class) = class.to_string();
             let group = st.class_groups.get(class).cloned();
             let page = st.class_pages.get(class).cloned();
-            (e, group, page)
+            (e, group, page, old_class, old_weight)
         };
-        let (e, group, page) = e;
+        let (e, group, page, old_class, old_weight) = e;
+        let weight = e.weight.load(Ordering::Relaxed);
         if e.handle.exit_reason().is_none() {
             for d in e.handle.disks() {
-                if let Err(err) = e.handle.set_disk_group(
-                    &d.name,
-                    group
-                        .clone()
-                        .map(|g| (g, corral_blkthrottle::DEFAULT_WEIGHT)),
-                    page.as_deref(),
-                ) {
+                // The disks have the VM's weight in their class's group. A
+                // move within the class changes it in place (each disk
+                // keeps its place in line); another class's group is joined
+                // with it.
+                let r = if old_class == class {
+                    match weight != old_weight {
+                        true => e.handle.set_disk_weight(&d.name, weight),
+                        false => Ok(()),
+                    }
+                } else {
+                    e.handle.set_disk_group(
+                        &d.name,
+                        group.clone().map(|g| (g, weight)),
+                        page.as_deref(),
+                    )
+                };
+                if let Err(err) = r {
                     tracing::warn!(
                         vm = name,
                         disk = d.name,
-                        "moving to the class's I/O group: {err}"
+                        "moving to the class's I/O group (weight {weight}): {err}"
                     );
                 }
             }

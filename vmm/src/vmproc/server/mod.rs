@@ -249,7 +249,7 @@ mod tests {
         )
         .unwrap();
         let e = run(vm, Arc::from(&b""[..])).unwrap_err().to_string();
-        assert!(e.contains("version 1") && e.contains("version 2"), "{e}");
+        assert!(e.contains("version 1") && e.contains("version 3"), "{e}");
         let mut buf = [0u8; 1024];
         let n = rustix::net::recv(&daemon, &mut buf, rustix::net::RecvFlags::empty())
             .unwrap()
@@ -257,6 +257,6 @@ mod tests {
         let v: serde_json::Value = serde_json::from_slice(&buf[..n]).unwrap();
         assert!(v.get("version").is_none(), "{v}");
         let m = v["start_failed"]["message"].as_str().unwrap();
-        assert!(m.contains("version 1") && m.contains("version 2"), "{m}");
+        assert!(m.contains("version 1") && m.contains("version 3"), "{m}");
     }
 }

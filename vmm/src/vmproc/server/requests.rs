@@ -49,6 +49,7 @@ impl VmProcess {
                 };
                 done(h.set_disk_group(&disk, g))
             }
+            Request::SetDiskWeight { disk, weight } => done(h.set_disk_weight(&disk, weight)),
             Request::SetGroupLimits { name, limits } => {
                 let g = lock(&self.groups).get(&name).cloned();
                 match g {

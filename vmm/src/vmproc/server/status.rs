@@ -45,6 +45,7 @@ impl VmProcess {
                     capacity_bytes: d.capacity_bytes,
                     limits: d.limits.into(),
                     group: d.group,
+                    group_weight: d.group_weight,
                     stats: (&d.stats).into(),
                     device: d.device,
                     engine: crate::vmproc::proto::engine_name(d.engine),
