@@ -273,7 +273,28 @@ mod tests {
         });
         let r = ask_all(&daemon, vec![(1, Request::Status), (2, Request::Files)]);
         assert!(
-            matches!(r, Err(wire::WireError::Version { ours: 2, theirs: 1 })),
+            matches!(r, Err(wire::WireError::Version { ours: 3, theirs: 1 })),
+            "{:?}",
+            r.map(|m| m.len())
+        );
+        drop(fake.join());
+    }
+
+    /// A VM process of version 2 (before `set_disk_weight`) answers in
+    /// its own framing, the header first: refused by it, naming both.
+    #[test]
+    fn a_version_2_vm_process_is_refused_by_its_header() {
+        let (daemon, vm) = wire::pair().unwrap();
+        let fake = std::thread::spawn(move || {
+            let mut buf = [0u8; 4096];
+            let _ = rustix::net::recv(&vm, &mut buf, rustix::net::RecvFlags::empty());
+            let m = r#"{"version":2,"reply":{"id":1,"resp":{"files":[]}}}"#;
+            let _ = rustix::net::send(&vm, m.as_bytes(), rustix::net::SendFlags::empty());
+            vm
+        });
+        let r = ask_all(&daemon, vec![(1, Request::Files)]);
+        assert!(
+            matches!(r, Err(wire::WireError::Version { ours: 3, theirs: 2 })),
             "{:?}",
             r.map(|m| m.len())
         );
