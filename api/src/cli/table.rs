@@ -129,8 +129,12 @@ pub fn disk_lines(d: &dto::Disk) -> Vec<String> {
         format!("  limits:    {}", limits(&d.limits)),
     ];
     if let Some(g) = &d.group {
+        let w = d
+            .group_weight
+            .map(|w| format!(", weight {w}"))
+            .unwrap_or_default();
         v.push(format!(
-            "  group:     {g} (the class's I/O limits apply too)"
+            "  group:     {g}{w} (the class's I/O limits apply too)"
         ));
     }
     match &d.stats {
