@@ -240,26 +240,89 @@ fn a_moved_vm_switches_group_and_a_readopted_one_rejoins_its_class() {
 /// weighted). VMs of weights 300 and 100 in a `bps=2M` class, both reading
 /// flat out, split it 3:1; after a live weight change (`vb` moved within
 /// its class with weight 900: its disk keeps its place in the group, at
-/// the new weight), 1:3. Before, every disk joined at weight 100: 1:1
-/// both times.
+/// the new weight), 1:3; after a `kill -9` of the daemon, the next one
+/// re-attaches the re-adopted VM processes to its page with their weights:
+/// 1:3 still. Before, every disk joined at weight 100: 1:1 every time.
 #[test]
 fn vm_weights_split_a_class_io_limit_across_vm_processes() {
-    let d = Daemon::start(&[]);
-    let dir = std::env::temp_dir().join(format!("corral-api-io-weight-{}", std::process::id()));
-    two_weighted_readers(&d, &dir, &["wclass"], [300, 100]);
-    let weight = |vm: &str| {
-        d.req("GET", &format!("/v1/vms/{vm}"), None).json()["disks"][0]["group_weight"].clone()
-    };
-    assert_eq!(weight("va"), 300);
-    assert_eq!(weight("vb"), 100);
+    let base = std::env::temp_dir().join(format!("corral-api-io-weight-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&base);
+    let sd = base.join("state");
+    let sd = sd.to_str().unwrap();
+    let mut d = Daemon::start(&["--state-dir", sd]);
+    weighted_split(&d, &base.join("img"), "process");
+    d.child.kill().unwrap();
+    d.child.wait().unwrap();
+    drop(d);
+    let d = Daemon::start(&["--state-dir", sd]);
+    for vm in ["va", "vb"] {
+        let v = d.req("GET", &format!("/v1/vms/{vm}"), None).json();
+        assert_eq!(v["state"], "running", "{v}");
+    }
+    wait_until(Duration::from_secs(5), || {
+        (disk_weight(&d, "va") == 300 && disk_weight(&d, "vb") == 900).then_some(())
+    })
+    .unwrap_or_else(|| {
+        panic!(
+            "re-adopted: disk weights {} and {}",
+            disk_weight(&d, "va"),
+            disk_weight(&d, "vb")
+        )
+    });
+    std::thread::sleep(Duration::from_millis(300));
     let (a, b) = rates(&d, 3.0);
+    check_share(
+        "process, re-adopted, weights 300/900",
+        a,
+        b,
+        0.25,
+        WEIGHTED_SPLIT,
+    );
+    for vm in ["va", "vb"] {
+        d.req("DELETE", &format!("/v1/vms/{vm}"), None);
+    }
+    drop(d);
+    let _ = std::fs::remove_dir_all(&base);
+}
+
+/// The same split with the VMs as threads of the daemon (`--vm-mode
+/// thread`): their disks share the class's in-process group, weighted
+/// alike.
+#[test]
+fn vm_weights_split_a_class_io_limit_in_the_daemon_too() {
+    let d = Daemon::start(&["--vm-mode", "thread"]);
+    let dir = std::env::temp_dir().join(format!("corral-api-io-wthread-{}", std::process::id()));
+    weighted_split(&d, &dir, "thread");
+    for vm in ["va", "vb"] {
+        d.req("DELETE", &format!("/v1/vms/{vm}"), None);
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A VM's disk's weight in its group, as the API shows it.
+fn disk_weight(d: &Daemon, vm: &str) -> serde_json::Value {
+    d.req("GET", &format!("/v1/vms/{vm}"), None).json()["disks"][0]["group_weight"].clone()
+}
+
+/// `va` (weight 300) and `vb` (100) read flat out in class `wclass`
+/// (`bps=2M`): 3:1; `vb` moved within its class with weight 900: 1:3.
+fn weighted_split(d: &Daemon, dir: &std::path::Path, mode: &str) {
+    two_weighted_readers(d, dir, &["wclass"], [300, 100]);
+    assert_eq!(disk_weight(d, "va"), 300);
+    assert_eq!(disk_weight(d, "vb"), 100);
+    let (a, b) = rates(d, 3.0);
     assert!(
         a + b <= LIMIT * 1.1,
         "{:.0} B/s over the class's limit",
         a + b
     );
-    check_share("weights 300/100, bps=2M", a, b, 0.75, WEIGHTED_SPLIT);
-
+    check_share(
+        &format!("{mode}, weights 300/100, bps=2M"),
+        a,
+        b,
+        0.75,
+        WEIGHTED_SPLIT,
+    );
     let r = d.req(
         "POST",
         "/v1/vms/vb/move",
@@ -267,14 +330,16 @@ fn vm_weights_split_a_class_io_limit_across_vm_processes() {
     );
     assert_eq!(r.status, 200, "{}", r.text());
     wait_until(Duration::from_secs(5), || {
-        (weight("vb") == 900).then_some(())
+        (disk_weight(d, "vb") == 900).then_some(())
     })
-    .unwrap_or_else(|| panic!("vb's disk weight: {}", weight("vb")));
+    .unwrap_or_else(|| panic!("vb's disk weight: {}", disk_weight(d, "vb")));
     std::thread::sleep(Duration::from_millis(300));
-    let (a, b) = rates(&d, 3.0);
-    check_share("weights 300/900 (live), bps=2M", a, b, 0.25, WEIGHTED_SPLIT);
-    for vm in ["va", "vb"] {
-        d.req("DELETE", &format!("/v1/vms/{vm}"), None);
-    }
-    let _ = std::fs::remove_dir_all(&dir);
+    let (a, b) = rates(d, 3.0);
+    check_share(
+        &format!("{mode}, weights 300/900 (live), bps=2M"),
+        a,
+        b,
+        0.25,
+        WEIGHTED_SPLIT,
+    );
 }
