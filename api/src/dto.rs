@@ -252,6 +252,9 @@ impl VmCreate {
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct VmPatch {
+    /// The VM's weight in its class (CPU and the class's I/O group).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weight: Option<u32>,
     #[serde(
         default,
         deserialize_with = "double",

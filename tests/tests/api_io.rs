@@ -202,9 +202,9 @@ fn class_io_limits_are_shared_by_its_disks_and_change_live() {
 /// A VM's disks are in its class's I/O group with the VM's weight (not the
 /// group's default 100), in the daemon (`--vm-mode thread`) and in a VM
 /// process: created with weight 300, the disk shows `group_weight` 300; a
-/// move within the class with a new weight changes it live (the disk stays
-/// in the group); a move to another class joins that class's group with
-/// the VM's weight.
+/// new weight (`PATCH`, or a move within the class) changes it live (the
+/// disk stays in the group); a move to another class joins that class's
+/// group with the VM's weight.
 #[test]
 fn a_vms_disks_join_its_class_group_with_its_weight() {
     for mode in ["thread", "process"] {
@@ -247,17 +247,23 @@ fn a_vms_disks_join_its_class_group_with_its_weight() {
             });
         };
         expect(&d, "class:wa", 300);
-        let r = d.req(
-            "POST",
-            "/v1/vms/vw/move",
-            Some(r#"{"class":"wa","weight":500}"#),
-        );
+        // `PATCH` with a weight: a move within the class.
+        let r = d.req("PATCH", "/v1/vms/vw", Some(r#"{"weight":500}"#));
         assert_eq!(r.status, 200, "{}", r.text());
         assert_eq!(r.json()["weight"], 500);
         expect(&d, "class:wa", 500);
+        let r = d.req("PATCH", "/v1/vms/vw", Some(r#"{"weight":0}"#));
+        assert_eq!(r.status, 400, "{}", r.text());
+        let r = d.req(
+            "POST",
+            "/v1/vms/vw/move",
+            Some(r#"{"class":"wa","weight":700}"#),
+        );
+        assert_eq!(r.status, 200, "{}", r.text());
+        expect(&d, "class:wa", 700);
         let r = d.req("POST", "/v1/vms/vw/move", Some(r#"{"class":"wb"}"#));
         assert_eq!(r.status, 200, "{}", r.text());
-        expect(&d, "class:wb", 500);
+        expect(&d, "class:wb", 700);
         let r = d.req(
             "POST",
             "/v1/vms/vw/move",
@@ -265,7 +271,7 @@ fn a_vms_disks_join_its_class_group_with_its_weight() {
         );
         assert_eq!(r.status, 200, "{}", r.text());
         expect(&d, "class:wa", 40);
-        eprintln!("{mode}: the disk followed the VM's weight: 300, 500, 500 (moved), 40");
+        eprintln!("{mode}: the disk followed the VM's weight: 300, 500, 700, 700 (moved), 40");
         d.req("DELETE", "/v1/vms/vw", None);
         let _ = std::fs::remove_dir_all(&dir);
     }

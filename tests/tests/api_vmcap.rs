@@ -97,4 +97,16 @@ fn vm_cap_from_the_cli() {
     let (code, _, err) = cli(&["vm", "set", "c1", "--cap", "lots"]);
     assert_ne!(code, Some(0));
     assert!(err.contains("--cap"), "{err}");
+    // The weight in its class too (CPU and I/O), live; the cap is kept.
+    let (code, out, err) = cli(&["vm", "set", "c1", "--weight", "250", "--cap", "40"]);
+    assert_eq!(code, Some(0), "{out}{err}");
+    assert!(out.contains("weight 250"), "{out}");
+    let v = d.req("GET", "/v1/vms/c1", None).json();
+    assert_eq!(
+        (v["weight"].clone(), v["cap"].clone()),
+        (250.into(), 40.into())
+    );
+    let (code, _, _) = cli(&["vm", "set", "c1", "--weight", "0"]);
+    assert_ne!(code, Some(0));
+    assert_eq!(d.req("GET", "/v1/vms/c1", None).json()["weight"], 250);
 }

@@ -160,6 +160,10 @@ pub enum VmCmd {
         /// The VM's own CPU cap in percent of one CPU, or `none`.
         #[arg(long)]
         cap: Option<String>,
+        /// Its weight in its class (1..=10000): its share of the class's
+        /// CPU and of the class's I/O.
+        #[arg(long)]
+        weight: Option<u32>,
     },
     /// Move a VM to another class, live.
     Move {

@@ -190,8 +190,9 @@ pub async fn vm(c: &Client, cmd: VmCmd, json: bool) -> R {
         }
         VmCmd::Pause { name } => action(c, &name, "pause", json).await?,
         VmCmd::Resume { name } => action(c, &name, "resume", json).await?,
-        VmCmd::Set { name, cap } => {
+        VmCmd::Set { name, cap, weight } => {
             let body = dto::VmPatch {
+                weight,
                 cap: cap.map(|s| pct_or_none("cap", &s)).transpose()?,
             };
             let v: dto::Vm = c
@@ -204,6 +205,9 @@ pub async fn vm(c: &Client, cmd: VmCmd, json: bool) -> R {
             if json {
                 print_json(&v);
             } else {
+                if weight.is_some() {
+                    println!("{}: weight {} in class {}", v.name, v.weight, v.class);
+                }
                 match v.cap {
                     Some(cap) => println!("{}: cap {cap}%", v.name),
                     None => println!("{}: no cap of its own", v.name),

@@ -225,9 +225,14 @@ async fn patch_vm(
     ApiPath(id): ApiPath<String>,
     ApiJson(body): ApiJson<dto::VmPatch>,
 ) -> ApiResult<Json<dto::Vm>> {
-    let v = blocking(&s.mgr, move |m| match body.cap {
-        Some(cap) => m.set_vm_cap(&id, cap),
-        None => m.get_vm(&id),
+    let v = blocking(&s.mgr, move |m| {
+        if let Some(w) = body.weight {
+            m.set_vm_weight(&id, w)?;
+        }
+        match body.cap {
+            Some(cap) => m.set_vm_cap(&id, cap),
+            None => m.get_vm(&id),
+        }
     })
     .await?;
     Ok(Json(v.into()))

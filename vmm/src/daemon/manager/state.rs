@@ -365,6 +365,14 @@ impl Manager {
         )
     }
 
+    /// Sets a VM's weight in its class, live: its share of the class's CPU
+    /// and of the class's I/O group (its disks keep their place there). A
+    /// move to its own class with the new weight.
+    pub fn set_vm_weight(&self, name: &str, weight: u32) -> Result<VmInfo, ManagerError> {
+        let class = lock(&self.entry(name)?.class).clone();
+        self.move_vm(name, &class, Some(weight))
+    }
+
     /// Moves a VM to another class (live), optionally with a new weight.
     pub fn move_vm(
         &self,
