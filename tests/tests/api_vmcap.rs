@@ -52,7 +52,9 @@ fn vm_cap_over_rest() {
         .assert_error(400, "bad_request");
     d.req("PATCH", "/v1/vms/capped", Some(r#"{"cap":-1}"#))
         .assert_error(400, "bad_request");
-    d.req("PATCH", "/v1/vms/capped", Some(r#"{"weight":5}"#))
+    d.req("PATCH", "/v1/vms/capped", Some(r#"{"weight":0}"#))
+        .assert_error(400, "bad_request");
+    d.req("PATCH", "/v1/vms/capped", Some(r#"{"class":"default"}"#))
         .assert_error(400, "bad_request");
     d.req("PATCH", "/v1/vms/nosuch", Some(r#"{"cap":10}"#))
         .assert_error(404, "not_found");
