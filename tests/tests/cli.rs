@@ -423,3 +423,43 @@ fn serve_socket_flag_wins_over_corral_socket() {
     let _ = std::fs::remove_dir_all(&dir);
     assert!(up.is_some() && !env_used, "serve --socket ignored");
 }
+
+/// The scheduler's timing flags are checked before anything starts: a
+/// minimum slice longer than the period, a tick under 0.1 ms and a value
+/// that is not a number are refused with a message naming the flags, and
+/// no socket is created.
+#[test]
+fn serve_refuses_bad_scheduler_timing() {
+    let dir = std::env::temp_dir().join(format!("corral-cli-timing-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let sock = dir.join("t.sock");
+    let state = dir.join("state");
+    for (flags, want) in [
+        (&["--min-slice-ms", "500"][..], "minimum slice"),
+        (&["--tick-ms", "0.01"][..], "tick must be at least"),
+        (
+            &["--period-ms", "5", "--tick-ms", "10"][..],
+            "accounting period",
+        ),
+        (&["--tick-ms=-3"][..], "--tick-ms -3"),
+    ] {
+        let mut args = vec![
+            "serve",
+            "--socket",
+            sock.to_str().unwrap(),
+            "--state-dir",
+            state.to_str().unwrap(),
+        ];
+        args.extend_from_slice(flags);
+        let o = run_corral(&args, T);
+        let (_, err) = text(&o);
+        assert!(!o.status.success(), "{flags:?} accepted: {err}");
+        assert!(err.contains(want), "{flags:?}: {err}");
+        assert!(!sock.exists(), "{flags:?}: a socket was made");
+    }
+    let o = run_corral(&["serve", "--socket", "/x", "--tick-ms", "ten"], T);
+    let (_, err) = text(&o);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("--tick-ms"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
