@@ -225,7 +225,7 @@ impl Block {
         let direct = disk.direct();
         let uring = match opts.engine.unwrap_or_else(|| IoEngine::auto_for(direct)) {
             IoEngine::Sync => None,
-            IoEngine::Uring => match uring::Uring::new(Some(disk.raw_fd())) {
+            IoEngine::Uring => match uring::Uring::new() {
                 Ok(u) => Some(u),
                 Err(e) if opts.engine.is_some() => return Err(BlockError::Uring(e)),
                 Err(e) => {

@@ -72,7 +72,7 @@ fn probe() -> io::Result<()> {
         }
     }
     drop(ring);
-    Uring::new(None).map(drop)
+    Uring::new().map(drop)
 }
 
 /// A request in flight.
@@ -110,10 +110,6 @@ pub(super) struct Done {
 pub struct Uring {
     ring: IoUring,
     efd: EventFd,
-    /// The disk's fd is registered with the ring (slot 0): requests name
-    /// it as a fixed file, which spares the kernel an fd lookup and a
-    /// reference count per request.
-    fixed: bool,
     slots: Vec<Option<Slot>>,
     free: Vec<u32>,
     queued: usize,
@@ -128,10 +124,19 @@ impl std::fmt::Debug for Uring {
 }
 
 impl Uring {
-    /// A ring for [`QUEUE_SIZE`] requests with its completion eventfd;
-    /// `file`, the disk's fd, is registered with it (requests then use it
-    /// as fixed file 0 whatever fd [`Uring::push`] is given).
-    pub fn new(file: Option<RawFd>) -> io::Result<Self> {
+    /// A ring for [`QUEUE_SIZE`] requests with its completion eventfd.
+    ///
+    /// The disk's fd is not registered with the ring (`IORING_REGISTER_FILES`
+    /// would spare an fd lookup per request): a registered file is held by
+    /// the ring, whose teardown after the process exits runs later in a
+    /// kernel worker, so the disk's image lock (an OFD lock, released when
+    /// the last reference to the open file goes) outlived the VM process by
+    /// up to 23 ms here, and an immediate restart of the VM (`corral vm
+    /// reboot`, a daemon's stop and start, `corral run` back to back) was
+    /// refused with `image_locked`. Requests by fd hold the file only while
+    /// in flight, and a process's exit cancels and waits for its own
+    /// (`tests/tests/blk.rs`, `the_image_lock_is_free_as_soon_as_a_uring_vm_exits`).
+    pub fn new() -> io::Result<Self> {
         let n = u32::from(QUEUE_SIZE);
         // Created disabled so that it is restricted before any use: seccomp
         // does not see the operations inside io_uring_enter, so the ring
@@ -146,14 +151,10 @@ impl Uring {
         let efd = EventFd::new(EFD_NONBLOCK)?;
         let sub = ring.submitter();
         sub.register_eventfd(efd.as_raw_fd())?;
-        // Registered while the ring is disabled (no registration is
-        // allowed once it is enabled). Registered buffers are not used:
-        // they would pin all of guest memory for the ring's life, counted
-        // against RLIMIT_MEMLOCK, and a vectored request cannot use them.
-        if let Some(fd) = file {
-            sub.register_files(&[fd])?;
-        }
-        let flags = (squeue::Flags::IO_DRAIN | squeue::Flags::FIXED_FILE).bits();
+        // Registered buffers are not used either: they would pin all of
+        // guest memory for the ring's life, counted against RLIMIT_MEMLOCK,
+        // and a vectored request cannot use them.
+        let flags = squeue::Flags::IO_DRAIN.bits();
         sub.register_restrictions(&mut [
             Restriction::sqe_op(opcode::Readv::CODE),
             Restriction::sqe_op(opcode::Writev::CODE),
@@ -164,7 +165,6 @@ impl Uring {
         Ok(Self {
             ring,
             efd,
-            fixed: file.is_some(),
             slots: (0..n).map(|_| None).collect(),
             free: (0..n).rev().collect(),
             queued: 0,
@@ -200,26 +200,18 @@ impl Uring {
         }
         let iovp = slot.iov.as_ptr();
         let niov = slot.iov.len() as u32; // <= IOV_MAX (uring_iov)
-        macro_rules! entry {
-            ($fd:expr) => {
-                match slot.req.kind {
-                    RequestType::In => opcode::Readv::new($fd, iovp, niov)
-                        .offset(slot.offset)
-                        .build(),
-                    RequestType::Out => opcode::Writev::new($fd, iovp, niov)
-                        .offset(slot.offset)
-                        .build(),
-                    _ => opcode::Fsync::new($fd)
-                        .flags(types::FsyncFlags::DATASYNC)
-                        .build()
-                        .flags(squeue::Flags::IO_DRAIN),
-                }
-            };
-        }
-        let entry = if self.fixed {
-            entry!(types::Fixed(0))
-        } else {
-            entry!(types::Fd(fd))
+        let file = types::Fd(fd);
+        let entry = match slot.req.kind {
+            RequestType::In => opcode::Readv::new(file, iovp, niov)
+                .offset(slot.offset)
+                .build(),
+            RequestType::Out => opcode::Writev::new(file, iovp, niov)
+                .offset(slot.offset)
+                .build(),
+            _ => opcode::Fsync::new(file)
+                .flags(types::FsyncFlags::DATASYNC)
+                .build()
+                .flags(squeue::Flags::IO_DRAIN),
         }
         .user_data(u64::from(idx));
         // SAFETY: the entry's iovec array (a Vec's heap buffer: moving the
@@ -350,7 +342,7 @@ mod tests {
             eprintln!("skipping: no io_uring here");
             return;
         }
-        let mut u = Uring::new(None).unwrap();
+        let mut u = Uring::new().unwrap();
         let path = c"/etc/hostname";
         let ops = [
             opcode::Nop::new().build(),
