@@ -179,7 +179,7 @@ fn a_moved_vm_switches_group_and_a_readopted_one_rejoins_its_class() {
     let _ = std::fs::remove_dir_all(&base);
     let sd = base.join("state");
     let sd = sd.to_str().unwrap();
-    let mut d = Daemon::start(&["--state-dir", sd]);
+    let d = Daemon::start(&["--state-dir", sd]);
     two_readers(&d, &base.join("img"), &["capped", "other"]);
     // vb moves to `other`: each class's budget is its own, so together they
     // read past one limit (each within its class's).
@@ -201,14 +201,7 @@ fn a_moved_vm_switches_group_and_a_readopted_one_rejoins_its_class() {
     // attaches them to its own pages: vb moved back into `capped` shares
     // one budget with va again (were va still on the dead daemon's page,
     // they would read 2× together).
-    d.child.kill().unwrap();
-    d.child.wait().unwrap();
-    drop(d);
-    let d = Daemon::start(&["--state-dir", sd]);
-    for vm in ["va", "vb"] {
-        let v = d.req("GET", &format!("/v1/vms/{vm}"), None).json();
-        assert_eq!(v["state"], "running", "{v}");
-    }
+    let d = kill9_and_readopt(d, sd);
     let r = d.req("POST", "/v1/vms/vb/move", Some(r#"{"class":"capped"}"#));
     assert_eq!(r.status, 200, "{}", r.text());
     std::thread::sleep(Duration::from_millis(300));
@@ -227,11 +220,7 @@ fn a_moved_vm_switches_group_and_a_readopted_one_rejoins_its_class() {
         "a VM did not read: va {a:.0}, vb {b:.0}"
     );
     check_split("re-adopted", a, b);
-    for vm in ["va", "vb"] {
-        d.req("DELETE", &format!("/v1/vms/{vm}"), None);
-    }
-    drop(d);
-    let _ = std::fs::remove_dir_all(&base);
+    remove_both(d, &base);
 }
 
 /// The class's I/O is shared among its VMs by their weights, as its CPU:
@@ -249,16 +238,9 @@ fn vm_weights_split_a_class_io_limit_across_vm_processes() {
     let _ = std::fs::remove_dir_all(&base);
     let sd = base.join("state");
     let sd = sd.to_str().unwrap();
-    let mut d = Daemon::start(&["--state-dir", sd]);
-    weighted_split(&d, &base.join("img"), "process");
-    d.child.kill().unwrap();
-    d.child.wait().unwrap();
-    drop(d);
     let d = Daemon::start(&["--state-dir", sd]);
-    for vm in ["va", "vb"] {
-        let v = d.req("GET", &format!("/v1/vms/{vm}"), None).json();
-        assert_eq!(v["state"], "running", "{v}");
-    }
+    weighted_split(&d, &base.join("img"), "process");
+    let d = kill9_and_readopt(d, sd);
     wait_until(Duration::from_secs(5), || {
         (disk_weight(&d, "va") == 300 && disk_weight(&d, "vb") == 900).then_some(())
     })
@@ -278,11 +260,7 @@ fn vm_weights_split_a_class_io_limit_across_vm_processes() {
         0.25,
         WEIGHTED_SPLIT,
     );
-    for vm in ["va", "vb"] {
-        d.req("DELETE", &format!("/v1/vms/{vm}"), None);
-    }
-    drop(d);
-    let _ = std::fs::remove_dir_all(&base);
+    remove_both(d, &base);
 }
 
 /// The same split with the VMs as threads of the daemon (`--vm-mode
@@ -342,4 +320,27 @@ fn weighted_split(d: &Daemon, dir: &std::path::Path, mode: &str) {
         0.25,
         WEIGHTED_SPLIT,
     );
+}
+
+/// `kill -9` of the daemon `d` (state directory `sd`) and a new one on the
+/// same state: both VM processes, `va` and `vb`, are re-adopted running.
+fn kill9_and_readopt(mut d: Daemon, sd: &str) -> Daemon {
+    d.child.kill().unwrap();
+    d.child.wait().unwrap();
+    drop(d);
+    let d = Daemon::start(&["--state-dir", sd]);
+    for vm in ["va", "vb"] {
+        let v = d.req("GET", &format!("/v1/vms/{vm}"), None).json();
+        assert_eq!(v["state"], "running", "{v}");
+    }
+    d
+}
+
+/// Deletes `va` and `vb`, stops the daemon and removes the test's `base`.
+fn remove_both(d: Daemon, base: &std::path::Path) {
+    for vm in ["va", "vb"] {
+        d.req("DELETE", &format!("/v1/vms/{vm}"), None);
+    }
+    drop(d);
+    let _ = std::fs::remove_dir_all(base);
 }

@@ -127,6 +127,22 @@ fn capped_vm() -> Arc<CpuScheduler> {
     CpuScheduler::new(Arc::new(Mutex::new(sched)))
 }
 
+/// Ticks `capped_vm`'s scheduler until its spinning VM has overspent its
+/// cap budget by 2 ms: the policy then keeps it parked for many ticks (it
+/// earns 1 ms per 100 ms).
+fn overspend_the_cap(cpu: &CpuScheduler) {
+    let t0 = Instant::now();
+    loop {
+        std::thread::sleep(Duration::from_millis(20));
+        cpu.tick(10_000_000);
+        let budget = cpu.with(|s| s.stats()).classes[0].cap_budget_ns.unwrap();
+        if budget < -2_000_000 {
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(10), "the VM never ran");
+    }
+}
+
 /// Checks after each of `n` ticks that the gate is parked exactly when
 /// the policy says the VM must not run.
 fn gate_follows_policy(cpu: &CpuScheduler, gate: &Gate, n: usize) {
@@ -173,18 +189,7 @@ fn every_tick_parks_an_open_gate_of_a_parked_vm() {
     let gate = Arc::new(Gate::new());
     let vcpu = FakeVcpu::spawn(gate.clone());
     cpu.attach(VmId(1), gate.clone(), vec![vcpu.tid], Vec::new());
-    // Run until the VM has overspent its cap budget by 2 ms: the policy
-    // then keeps it parked for many ticks (it earns 1 ms per 100 ms).
-    let t0 = Instant::now();
-    loop {
-        std::thread::sleep(Duration::from_millis(20));
-        cpu.tick(10_000_000);
-        let budget = cpu.with(|s| s.stats()).classes[0].cap_budget_ns.unwrap();
-        if budget < -2_000_000 {
-            break;
-        }
-        assert!(t0.elapsed() < Duration::from_secs(10), "the VM never ran");
-    }
+    overspend_the_cap(&cpu);
     assert_eq!(cpu.with(|s| s.is_parked(VmId(1))), Some(true));
     assert!(gate.is_parked());
     let parks = gate.park_count();
@@ -461,18 +466,8 @@ fn a_settled_parked_vm_is_read_every_sixteenth_tick() {
     let vcpu = FakeVcpu::spawn(gate.clone());
     let dev = Sleepers::spawn(1);
     cpu.attach(VmId(1), gate.clone(), vec![vcpu.tid], dev.tids.clone());
-    // Until the VM has overspent its cap budget by 2 ms: parked for many
-    // ticks (it earns 1 ms per 100 ms).
+    overspend_the_cap(&cpu);
     let t0 = Instant::now();
-    loop {
-        std::thread::sleep(Duration::from_millis(20));
-        cpu.tick(10_000_000);
-        let budget = cpu.with(|s| s.stats()).classes[0].cap_budget_ns.unwrap();
-        if budget < -2_000_000 {
-            break;
-        }
-        assert!(t0.elapsed() < Duration::from_secs(10), "the VM never ran");
-    }
     // Until its vCPU waits on the gate and a tick has seen it there, and
     // the device thread has been idle for a few ticks.
     while gate.waiting() < 1 {
