@@ -29,6 +29,15 @@ pub type Waker = Arc<dyn Fn() + Send + Sync>;
 /// Default member weight (same scale as VM weights: 1..=10000, default 100).
 pub const DEFAULT_WEIGHT: u32 = 100;
 
+/// Checks a member weight: `1..=10000`.
+pub fn check_weight(weight: u32) -> Result<u32, crate::LimitsError> {
+    if (1..=10_000).contains(&weight) {
+        Ok(weight)
+    } else {
+        Err(crate::LimitsError::InvalidWeight(weight))
+    }
+}
+
 /// Default fairness window, in nanoseconds of the group's refill time: how
 /// far (in weighted service) a member may run ahead of a backlogged member
 /// that has not yet picked up its grant. See [`ThrottleGroup`].

@@ -186,7 +186,7 @@ mod shared;
 mod stats;
 mod throttle;
 
-pub use group::{DEFAULT_FAIRNESS_WINDOW_NS, DEFAULT_WEIGHT, ThrottleGroup, Waker};
+pub use group::{DEFAULT_FAIRNESS_WINDOW_NS, DEFAULT_WEIGHT, ThrottleGroup, Waker, check_weight};
 pub use limits::{Limits, LimitsError};
 pub use page::{GROUP_PAGE_LEN, GroupPage, PageError, PageMem};
 pub use punctual::{Lateness, Punctual, Step, TIGHT_SLACK_NS};

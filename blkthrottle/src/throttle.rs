@@ -118,9 +118,7 @@ impl Throttle {
         weight: u32,
         waker: Option<Waker>,
     ) -> Result<(), LimitsError> {
-        if !(1..=10_000).contains(&weight) {
-            return Err(LimitsError::InvalidWeight(weight));
-        }
+        crate::check_weight(weight)?;
         self.leave_group();
         let id = group.lock().join(weight, waker);
         group.add_queue_depth(self.queue_depth as i64);
@@ -139,9 +137,7 @@ impl Throttle {
     /// the other processes' members see that through the start tags this
     /// disk publishes. Without a group: nothing to change.
     pub fn set_weight(&mut self, weight: u32) -> Result<(), LimitsError> {
-        if !(1..=10_000).contains(&weight) {
-            return Err(LimitsError::InvalidWeight(weight));
-        }
+        crate::check_weight(weight)?;
         if let Some(m) = &mut self.group {
             m.group.lock().set_weight(m.id, weight);
             m.weight = weight;

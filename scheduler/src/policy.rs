@@ -53,7 +53,7 @@ pub struct PolicyConfig {
     /// and a wake of the VM unparked: with 25 VMs of 4 spinning vCPUs on 2
     /// CPUs, one-tick turns were a park and an unpark at every tick, and
     /// the signals and futex wakes were 27 % of the scheduler thread's time
-    /// (BENCHMARKS.md, "Session 8: minimum slice"). A kick takes ~4 ms on
+    /// (BENCHMARKS.md, "Session 8", scheduler thread). A kick takes ~4 ms on
     /// kvm_pvm, so one-tick turns also ran the outgoing and the incoming VM
     /// side by side for much of each turn. Credits are charged as before,
     /// so the long-run shares do not change; turns are just longer (Xen's
@@ -1174,7 +1174,6 @@ impl Policy {
         // A turn that started less than the minimum slice ago (less half a
         // tick, for the ticks' jitter) goes on.
         let slice_end = config.min_slice_ns.saturating_sub(config.tick_ns / 2);
-        let mut slices = false;
         candidates.clear();
         for (i, vm) in vms.iter_mut().enumerate() {
             let c = &classes[vm.class];
@@ -1199,7 +1198,6 @@ impl Policy {
                 let in_slice = !vm.parked
                     && vm.unparked_at > 0
                     && now_ns.saturating_sub(vm.unparked_at) < slice_end;
-                slices |= in_slice;
                 candidates.push((incumbent, vm.credit / vm.ent.max(1e-9), in_slice, i as u32));
                 false
             };
@@ -1224,9 +1222,6 @@ impl Policy {
             let vm = &mut vms[i as usize];
             vm.run = true;
             admitted += vm.demand;
-        }
-        if !slices {
-            return;
         }
         // A VM within its minimum slice keeps running. To make room, the
         // VMs this tick would unpark (parked now) are deferred, lowest lag

@@ -254,23 +254,15 @@ fn a_vms_disks_join_its_class_group_with_its_weight() {
         expect(&d, "class:wa", 500);
         let r = d.req("PATCH", "/v1/vms/vw", Some(r#"{"weight":0}"#));
         assert_eq!(r.status, 400, "{}", r.text());
-        let r = d.req(
-            "POST",
-            "/v1/vms/vw/move",
-            Some(r#"{"class":"wa","weight":700}"#),
-        );
-        assert_eq!(r.status, 200, "{}", r.text());
-        expect(&d, "class:wa", 700);
-        let r = d.req("POST", "/v1/vms/vw/move", Some(r#"{"class":"wb"}"#));
-        assert_eq!(r.status, 200, "{}", r.text());
-        expect(&d, "class:wb", 700);
-        let r = d.req(
-            "POST",
-            "/v1/vms/vw/move",
-            Some(r#"{"class":"wa","weight":40}"#),
-        );
-        assert_eq!(r.status, 200, "{}", r.text());
-        expect(&d, "class:wa", 40);
+        // A move (`body`), then the disk's group and weight.
+        let move_to = |body: &str, group: &str, weight: u32| {
+            let r = d.req("POST", "/v1/vms/vw/move", Some(body));
+            assert_eq!(r.status, 200, "{body}: {}", r.text());
+            expect(&d, group, weight);
+        };
+        move_to(r#"{"class":"wa","weight":700}"#, "class:wa", 700);
+        move_to(r#"{"class":"wb"}"#, "class:wb", 700);
+        move_to(r#"{"class":"wa","weight":40}"#, "class:wa", 40);
         eprintln!("{mode}: the disk followed the VM's weight: 300, 500, 700, 700 (moved), 40");
         d.req("DELETE", "/v1/vms/vw", None);
         let _ = std::fs::remove_dir_all(&dir);

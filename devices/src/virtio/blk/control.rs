@@ -92,10 +92,11 @@ impl Block {
     /// kept; its next requests are served at the new weight). Nothing to
     /// do for a disk in no group.
     pub fn set_group_weight(&mut self, weight: u32) -> Result<(), LimitsError> {
-        if let Some(t) = self.throttle.as_mut() {
-            t.set_weight(weight)?;
-        } else if !(1..=10_000).contains(&weight) {
-            return Err(LimitsError::InvalidWeight(weight));
+        match self.throttle.as_mut() {
+            Some(t) => t.set_weight(weight)?,
+            None => {
+                corral_blkthrottle::check_weight(weight)?;
+            }
         }
         self.publish();
         Ok(())

@@ -437,17 +437,16 @@ impl Manager {
                 // move within the class changes it in place (each disk
                 // keeps its place in line); another class's group is joined
                 // with it.
-                let r = if old_class == class {
-                    match weight != old_weight {
-                        true => e.handle.set_disk_weight(&d.name, weight),
-                        false => Ok(()),
-                    }
-                } else {
+                let r = if old_class != class {
                     e.handle.set_disk_group(
                         &d.name,
                         group.clone().map(|g| (g, weight)),
                         page.as_deref(),
                     )
+                } else if weight != old_weight {
+                    e.handle.set_disk_weight(&d.name, weight)
+                } else {
+                    Ok(())
                 };
                 if let Err(err) = r {
                     tracing::warn!(
