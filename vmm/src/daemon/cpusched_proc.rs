@@ -105,8 +105,8 @@ impl ProcSource {
     /// when settled (the caller keeps its count). A settled VM whose
     /// process has been quiet for [`RUNNABLE_MEMORY_TICKS`] ticks (its
     /// vCPUs wait on the gate, its device thread has nothing to do) is not
-    /// read at all unless `due` (every 4th tick, as an idle device thread
-    /// in one process): its clock is cumulative, so what it used then is
+    /// read at all unless `due` (every 16th tick, as a settled VM's idle
+    /// device thread in one process): its clock is cumulative, so what it used then is
     /// charged at the next reading. Adds the clock reads it made (the
     /// process clock, `schedstat` reads) to `reads`.
     #[allow(clippy::too_many_arguments)]

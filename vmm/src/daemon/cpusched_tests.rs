@@ -542,9 +542,10 @@ fn kicks_run_without_the_policy_lock() {
 
 /// A VM process's reads per tick, counted: one process clock while it is
 /// free to run and idle (its vCPUs' `schedstat` only when the process
-/// clock moved), and while parked, settled and quiet only at every 4th
-/// tick (was one at every tick: 25 of the ~37 reads of a tick at 100
-/// vCPUs in process mode).
+/// clock moved), and while parked, settled and quiet only at due ticks
+/// (here every 4th; the scheduler makes every 16th due for such a VM, see
+/// `a_settled_parked_vm_is_read_every_sixteenth_tick`; was one at every
+/// tick: 25 of the ~37 reads of a tick at 100 vCPUs in process mode).
 #[test]
 fn a_quiet_parked_vm_process_is_read_every_fourth_tick() {
     let (gate, _fd) = Gate::new_shared().unwrap();
