@@ -76,7 +76,7 @@ pub fn run(a: InterferenceArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String)
     let slice_ns = a.slice_us.map(|us| us.saturating_mul(1000));
 
     let classes = [("victim", 1), ("hog", 1)];
-    let gate = runner::new_manager(CpuBackend::Gate, builtin, &classes)?;
+    let gate = runner::new_manager(a.backend, builtin, &classes)?;
     let off = runner::new_manager(CpuBackend::None, builtin, &classes)?;
 
     let pb = super::progress(if quick { 3 } else { 8 });
@@ -253,13 +253,18 @@ pub fn run(a: InterferenceArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String)
 
     let mut rep = Report::new("corral bench interference");
     rep.line(&super::host_lines(quick));
+    let backend = match a.backend {
+        CpuBackend::Gate => "gate",
+        CpuBackend::Cgroup => "cgroup",
+        CpuBackend::None => "none",
+    };
     rep.para(&format!(
         "Method: headline rounds ({stop}). A victim's round runs it alone and beside each hog \
          with shares 3:1 (the goals' scenarios), in the order listed, then in reverse in the \
          next round; a victim stops once its headline intervals are within ±{} % (at least {} \
          rounds), or all stop at the budget. The first {} round(s) also run the comparison \
          scenarios (manager off, equal classes). {sizing}The victim and the hog are in classes \
-         `victim` and `hog` of one manager (gate CPU backend), or of a manager with CPU backend \
+         `victim` and `hog` of one manager ({backend} CPU backend), or of a manager with CPU backend \
          none for the `-off` rows, all on {ncpu} of the host's {host_cpus} CPUs (CPU \
          affinity), so the hog contends with the victim on any host. The hog starts {} ms \
          before the victim and is deleted when the victim's job ends. The CPU hog spins on \
@@ -296,6 +301,7 @@ pub fn run(a: InterferenceArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String)
             progress: &progress,
             target: a.target,
             probe_wait: a.probe_wait,
+            gate: a.backend == CpuBackend::Gate,
         },
     )?;
     out.write("report.md", rep.text().as_bytes())?;

@@ -211,6 +211,19 @@ pub struct InterferenceArgs {
     /// thread's protected slice.
     #[arg(long)]
     slice_us: Option<u64>,
+    /// The CPU backend of the manager that runs the shares scenarios
+    /// (`gate` or `cgroup`), to compare them on the same host.
+    #[arg(long, default_value = "gate", value_parser = parse_backend)]
+    backend: corral_vmm::manager::CpuBackend,
+}
+
+fn parse_backend(s: &str) -> Result<corral_vmm::manager::CpuBackend, String> {
+    match s.parse()? {
+        corral_vmm::manager::CpuBackend::None => {
+            Err("the shares scenarios need a CPU backend (gate or cgroup)".into())
+        }
+        b => Ok(b),
+    }
 }
 
 /// `corral bench throttle`.

@@ -17,6 +17,9 @@ pub(super) struct Run<'a> {
     pub(super) progress: &'a [Progress],
     pub(super) target: f64,
     pub(super) probe_wait: ProbeWait,
+    /// Whether the shares scenarios ran on the gate backend (the gate
+    /// accounting has figures only then).
+    pub(super) gate: bool,
 }
 
 /// Writes the CSVs and plots into `out` and the tables into `rep`.
@@ -50,7 +53,9 @@ pub(super) fn write(rep: &mut Report, out: &OutDir, r: &Run<'_>) -> Result<(), B
         }
     ));
     accounting(rep, r);
-    gate_accounting(rep, r);
+    if r.gate {
+        gate_accounting(rep, r);
+    }
     goals(rep, r);
     plots(rep, out, r)?;
     rep.para(
