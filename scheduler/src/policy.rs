@@ -549,10 +549,6 @@ struct Wf {
     hi: f64,
 }
 
-/// Weighted max-min fair division of `total` among `items`: finds the level
-/// `λ` such that `Σ clamp(λ·w, lo, hi) = min(total, Σ hi)` and writes each
-/// item's share to `out`. Requires `w > 0` and `0 <= lo <= hi`. If even the
-/// lower bounds do not fit, they are scaled down proportionally.
 /// Whether running a VM with `cand` (demand per thread, threads) beside
 /// the `admitted` VMs (demand per thread, threads, floor) would leave one
 /// of them with less than its floor (its entitlement or its demand, if
@@ -597,6 +593,10 @@ fn dilutes(admitted: &mut Vec<(f64, f64, f64)>, cand: (f64, f64), cap: f64) -> b
         .any(|&(per, n, floor)| per.min(level) * n < DILUTION_FRACTION * floor)
 }
 
+/// Weighted max-min fair division of `total` among `items`: finds the level
+/// `λ` such that `Σ clamp(λ·w, lo, hi) = min(total, Σ hi)` and writes each
+/// item's share to `out`. Requires `w > 0` and `0 <= lo <= hi`. If even the
+/// lower bounds do not fit, they are scaled down proportionally.
 fn water_fill(items: &[Wf], total: f64, out: &mut Vec<f64>, events: &mut Vec<(f64, f64)>) {
     out.clear();
     let (mut sum_lo, mut sum_hi, mut sum_w) = (0.0, 0.0, 0.0);
