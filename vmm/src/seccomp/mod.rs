@@ -407,7 +407,9 @@ fn install_sigsys_handler() -> Result<(), SeccompError> {
 /// Test-only fault injection (debug builds only; absent from release
 /// builds): `CORRAL_FAULT=WHAT:VMNAME[,WHAT:VMNAME...]` with `WHAT` one of
 /// `vcpu-panic`, `dev-panic`, `vcpu-syscall`, `dev-syscall`,
-/// `vmproc-slow-start` (a VM process waits 3 s before its control socket).
+/// `vmproc-slow-start` (a VM process waits 3 s before its control socket),
+/// `vmproc-slow-lost-daemon` (its control thread takes 500 ms to act on
+/// its daemon's end).
 #[cfg(debug_assertions)]
 pub mod fault {
     /// Whether `what` is injected for VM `vm`.

@@ -22,16 +22,28 @@ pub(super) struct Link {
 }
 
 impl Link {
+    /// Sends `msg` to the current daemon, if any. A failed send (the
+    /// daemon is gone) leaves the link as it is: the connection's own
+    /// thread sees its end and drops it, with everything that losing the
+    /// daemon means ([`VmProcess::lost_daemon`]). Dropping it here, as
+    /// this once did, made that thread take the end of the supervising
+    /// connection for a status query's, and a VM whose console was busy
+    /// when its daemon died went on "supervised", its gate not released.
     pub(super) fn send(&self, msg: &FromVm) {
         let c = lock(&self.conn).clone();
-        if let Some(c) = c
-            && wire::send(&*c, msg, &[]).is_err()
-        {
-            // The daemon is gone; a later one reconnects (or never does).
-            let mut g = lock(&self.conn);
-            if g.as_ref().is_some_and(|x| Arc::ptr_eq(x, &c)) {
-                *g = None;
-            }
+        if let Some(c) = c {
+            let _ = wire::send(&*c, msg, &[]);
+        }
+    }
+
+    /// Drops the link if `sock` is its current connection; whether it was.
+    pub(super) fn drop_if_current(&self, sock: &Arc<OwnedFd>) -> bool {
+        let mut g = lock(&self.conn);
+        if g.as_ref().is_some_and(|x| Arc::ptr_eq(x, sock)) {
+            *g = None;
+            true
+        } else {
+            false
         }
     }
 }
@@ -89,6 +101,12 @@ impl VmProcess {
                 }
             }
         }
+        // Test-only: a control thread slow to see its daemon's end, while
+        // the console pump's sends to the dead daemon fail first.
+        #[cfg(debug_assertions)]
+        if crate::seccomp::fault::injected("vmproc-slow-lost-daemon", self.handle.name()) {
+            std::thread::sleep(Duration::from_millis(500));
+        }
         self.lost_daemon(&sock);
     }
 
@@ -96,15 +114,10 @@ impl VmProcess {
     /// running with its last limits; its shares are not enforced (the gate
     /// opens) until a daemon re-adopts it.
     fn lost_daemon(&self, sock: &Arc<OwnedFd>) {
-        {
-            let mut g = lock(&self.link.conn);
-            if g.as_ref().is_some_and(|x| Arc::ptr_eq(x, sock)) {
-                *g = None;
-            } else {
-                // Not the supervising connection (a status query, or a
-                // daemon that never adopted the process).
-                return;
-            }
+        if !self.link.drop_if_current(sock) {
+            // Not the supervising connection (a status query, or a daemon
+            // that never adopted the process).
+            return;
         }
         self.supervised.store(false, Ordering::Relaxed);
         // Nobody opens the shared word now: the vCPUs ignore it (and any
@@ -171,5 +184,36 @@ impl VmProcess {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A send that fails because the daemon is gone does not drop the
+    /// link: the connection's thread must still find it its own, or it
+    /// does not mark the VM unsupervised (the session-9 bug).
+    #[test]
+    fn a_failed_send_leaves_the_link_to_its_connection() {
+        let (daemon, vm) = wire::pair().unwrap();
+        let vm = Arc::new(vm);
+        let link = Link {
+            conn: Mutex::new(Some(vm.clone())),
+            console_next: AtomicU64::new(0),
+        };
+        drop(daemon);
+        link.send(&FromVm::Console {
+            offset: 0,
+            data: b"late output".to_vec(),
+        });
+        assert!(
+            link.drop_if_current(&vm),
+            "the dead connection lost its link"
+        );
+        assert!(!link.drop_if_current(&vm), "dropped twice");
+        let (_d2, other) = wire::pair().unwrap();
+        *lock(&link.conn) = Some(vm.clone());
+        assert!(!link.drop_if_current(&Arc::new(other)));
     }
 }
