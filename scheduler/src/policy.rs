@@ -549,48 +549,67 @@ struct Wf {
     hi: f64,
 }
 
-/// Whether running a VM with `cand` (demand per thread, threads) beside
-/// the `admitted` VMs (demand per thread, threads, floor) would leave one
-/// of them with less than its floor (its entitlement or its demand, if
-/// smaller), with the `cap` percent divided the way the host's scheduler
-/// does it: max-min fair per thread.
-///
-/// Why it matters: two 2-thread VMs on 2 CPUs share the host 50/50 while
-/// both run, whatever their shares; shares 3:1 hold only while the smaller
-/// one is parked part of the time. Admitting a VM because the admitted
-/// demand fell a few percent short of the capacity (an io victim counted at
-/// 181 % on a host planned at 189 %) ran the victim's limited I/O hog beside
-/// it all the time, and the victim got 47 % of a CPU where it was entitled
-/// to 146 %. The other way round the admission is right: a throttled hog
-/// that cannot fill the host alone leaves the CPU idle unless the victim
-/// runs beside it, and the hog's own share is not diluted by that.
-fn dilutes(admitted: &mut Vec<(f64, f64, f64)>, cand: (f64, f64), cap: f64) -> bool {
-    let total = cand.0 * cand.1 + admitted.iter().map(|a| a.0 * a.1).sum::<f64>();
-    if total <= cap {
-        return false;
+/// The admitted VMs of one admission question, with the scratch space to
+/// answer it: [`Dilution::dilutes`].
+#[derive(Debug, Clone, Default)]
+struct Dilution {
+    /// Each admitted VM as a water-filling item: weight its threads,
+    /// bounds 0 and its demand (its share is then `threads × min(level,
+    /// demand per thread)`, the host's max-min per thread).
+    items: Vec<Wf>,
+    /// Each admitted VM's floor: its entitlement or its demand, if smaller.
+    floors: Vec<f64>,
+    out: Vec<f64>,
+    events: Vec<(f64, f64)>,
+}
+
+impl Dilution {
+    fn clear(&mut self) {
+        self.items.clear();
+        self.floors.clear();
     }
-    // The max-min level: threads below it get their demand, the rest the
-    // level.
-    admitted.push((cand.0, cand.1, 0.0));
-    admitted.sort_unstable_by(|a, b| a.0.total_cmp(&b.0));
-    let mut threads: f64 = admitted.iter().map(|a| a.1).sum();
-    let mut left = cap;
-    let mut level = f64::INFINITY;
-    for &(per, n, _) in admitted.iter() {
-        if threads <= 0.0 {
-            break;
-        }
-        let even = left / threads;
-        if per > even {
-            level = even;
-            break;
-        }
-        left -= per * n;
-        threads -= n;
+
+    /// Adds an admitted VM of `demand` on `threads` threads with `floor`.
+    fn push(&mut self, demand: f64, threads: f64, floor: f64) {
+        self.items.push(Wf {
+            w: threads,
+            lo: 0.0,
+            hi: demand,
+        });
+        self.floors.push(floor);
     }
-    admitted
-        .iter()
-        .any(|&(per, n, floor)| per.min(level) * n < DILUTION_FRACTION * floor)
+
+    /// Whether running a VM of `demand` on `threads` threads beside the
+    /// admitted VMs would leave one of them with less than
+    /// [`DILUTION_FRACTION`] of its floor, with the `cap` percent divided
+    /// the way the host's scheduler does it: max-min fair per thread.
+    ///
+    /// Why it matters: two 2-thread VMs on 2 CPUs share the host 50/50 while
+    /// both run, whatever their shares; shares 3:1 hold only while the smaller
+    /// one is parked part of the time. Admitting a VM because the admitted
+    /// demand fell a few percent short of the capacity (an io victim counted at
+    /// 181 % on a host planned at 189 %) ran the victim's limited I/O hog beside
+    /// it all the time, and the victim got 47 % of a CPU where it was entitled
+    /// to 146 %. The other way round the admission is right: a throttled hog
+    /// that cannot fill the host alone leaves the CPU idle unless the victim
+    /// runs beside it, and the hog's own share is not diluted by that.
+    fn dilutes(&mut self, demand: f64, threads: f64, cap: f64) -> bool {
+        let total = demand + self.items.iter().map(|a| a.hi).sum::<f64>();
+        if total <= cap || threads <= 0.0 {
+            return false;
+        }
+        self.items.push(Wf {
+            w: threads,
+            lo: 0.0,
+            hi: demand,
+        });
+        water_fill(&self.items, cap, &mut self.out, &mut self.events);
+        self.items.pop();
+        self.out
+            .iter()
+            .zip(&self.floors)
+            .any(|(&got, &floor)| got < DILUTION_FRACTION * floor)
+    }
 }
 
 /// Weighted max-min fair division of `total` among `items`: finds the level
@@ -691,8 +710,8 @@ pub struct Policy {
     candidates: Vec<(bool, f64, bool, u32)>,
     /// VMs that may be light: use per thread, use, threads.
     light: Vec<(f64, f64, f64)>,
-    /// Admitted VMs for [`dilutes`]: demand per thread, threads, floor.
-    fill: Vec<(f64, f64, f64)>,
+    /// Admitted VMs for [`Dilution::dilutes`].
+    fill: Dilution,
     output: TickOutput,
 }
 
@@ -725,7 +744,7 @@ impl Policy {
             events: Vec::new(),
             candidates: Vec::new(),
             light: Vec::new(),
-            fill: Vec::new(),
+            fill: Dilution::default(),
             output: TickOutput::default(),
         }
     }
@@ -1313,15 +1332,13 @@ impl Policy {
             let cand = &vms[i as usize];
             if admitted > 0.0 && admitted + 0.25 * cand.demand > target {
                 fill.clear();
-                fill.extend(candidates.iter().filter_map(|&(.., j)| {
+                for &(.., j) in candidates.iter() {
                     let v = &vms[j as usize];
-                    (v.run && v.runnable > 0).then(|| {
-                        let n = f64::from(v.runnable);
-                        (v.demand / n, n, v.demand.min(v.ent))
-                    })
-                }));
-                let n = f64::from(cand.runnable);
-                if dilutes(fill, (cand.demand / n, n), *capacity_pct) {
+                    if v.run && v.runnable > 0 {
+                        fill.push(v.demand, f64::from(v.runnable), v.demand.min(v.ent));
+                    }
+                }
+                if fill.dilutes(cand.demand, f64::from(cand.runnable), *capacity_pct) {
                     continue;
                 }
             }
@@ -1350,14 +1367,14 @@ impl Policy {
                 first.helpers > 0 && first.run_used < CORUN_USED_FRACTION * *capacity_pct;
             let next = next.filter(|&&(.., j)| leaves_idle && !vms[j as usize].io);
             if let Some(&(.., c)) = next {
-                let (n, m) = (
-                    f64::from(first.runnable),
-                    f64::from(vms[c as usize].runnable),
-                );
                 fill.clear();
-                fill.push((first.demand / n, n, first.demand.min(first.ent)));
+                fill.push(
+                    first.demand,
+                    f64::from(first.runnable),
+                    first.demand.min(first.ent),
+                );
                 let cand = &vms[c as usize];
-                if !dilutes(fill, (cand.demand / m, m), *capacity_pct) {
+                if !fill.dilutes(cand.demand, f64::from(cand.runnable), *capacity_pct) {
                     let vm = &mut vms[c as usize];
                     vm.run = true;
                     admitted += vm.demand;
@@ -1836,18 +1853,12 @@ mod tests {
                 run[(d.vm.0 - 1) as usize] = d.should_run;
             }
             both += u64::from(run[0] && run[1]);
-            let mut threads: Vec<f64> = (0..2).filter(|&i| run[i]).map(|i| want[i]).collect();
-            threads.extend(threads.clone());
-            let mut fill = Vec::new();
-            let level = if threads.iter().sum::<f64>() <= 200.0 {
-                f64::INFINITY
-            } else {
-                water_level(&threads, 200.0, &mut fill)
-            };
-            for i in 0..2 {
-                if run[i] {
-                    total[i] += (2.0 * want[i].min(level) / 100.0 * tick as f64) as u64;
-                }
+            // The host's max-min per thread among the running VMs.
+            let running: Vec<usize> = (0..2).filter(|&i| run[i]).collect();
+            let items: Vec<(f64, f64, f64)> =
+                running.iter().map(|&i| (2.0, 0.0, 2.0 * want[i])).collect();
+            for (&i, got) in running.iter().zip(wf(&items, 200.0)) {
+                total[i] += (got / 100.0 * tick as f64) as u64;
             }
         }
         let pct = |i: usize| total[i] as f64 / (ticks * tick) as f64 * 100.0;
@@ -1887,44 +1898,31 @@ mod tests {
         assert!((40.0..=60.0).contains(&hog), "hog got {hog:.1} %");
     }
 
-    /// The max-min level at which `threads` (demands) share `cap`.
-    fn water_level(threads: &[f64], cap: f64, sorted: &mut Vec<f64>) -> f64 {
-        sorted.clear();
-        sorted.extend_from_slice(threads);
-        sorted.sort_by(f64::total_cmp);
-        let (mut left, mut n) = (cap, sorted.len() as f64);
-        for &t in sorted.iter() {
-            if t > left / n {
-                return left / n;
-            }
-            left -= t;
-            n -= 1.0;
-        }
-        f64::INFINITY
-    }
-
     #[test]
     fn dilutes_follows_max_min_per_thread() {
+        // `admitted`: demand, threads, floor; `cand`: demand, threads.
+        let d = |admitted: &[(f64, f64, f64)], cand: (f64, f64), cap: f64| {
+            let mut f = Dilution::default();
+            for &(demand, n, floor) in admitted {
+                f.push(demand, n, floor);
+            }
+            f.dilutes(cand.0, cand.1, cap)
+        };
         // Victim 2 threads at 90.5 (floor: its entitlement 146), the hog
         // 2 threads at 57.5: the level is 47.25 on 189, the victim would
         // get 94.5.
-        let mut a = vec![(90.5, 2.0, 146.0)];
-        assert!(dilutes(&mut a, (57.5, 2.0), 189.0));
+        assert!(d(&[(181.0, 2.0, 146.0)], (115.0, 2.0), 189.0));
         // The other way round: the hog (floor 49.5) keeps 94.5.
-        let mut a = vec![(57.5, 2.0, 49.5)];
-        assert!(!dilutes(&mut a, (97.5, 2.0), 189.0));
+        assert!(!d(&[(115.0, 2.0, 49.5)], (195.0, 2.0), 189.0));
         // Everything fits: no dilution whatever the floors.
-        let mut a = vec![(50.0, 2.0, 100.0)];
-        assert!(!dilutes(&mut a, (40.0, 2.0), 200.0));
+        assert!(!d(&[(100.0, 2.0, 100.0)], (80.0, 2.0), 200.0));
         // A light thread below the level keeps its demand: 10 + 2 × 95.
-        let mut a = vec![(10.0, 1.0, 10.0)];
-        assert!(!dilutes(&mut a, (100.0, 2.0), 200.0));
+        assert!(!d(&[(10.0, 1.0, 10.0)], (200.0, 2.0), 200.0));
         // The level is 95 (within 10 % of the floor: not diluted), or
         // 63.3 with a 2-thread candidate.
-        let mut a = vec![(10.0, 1.0, 10.0), (100.0, 1.0, 100.0)];
-        assert!(!dilutes(&mut a, (100.0, 1.0), 200.0));
-        let mut a = vec![(10.0, 1.0, 10.0), (100.0, 1.0, 100.0)];
-        assert!(dilutes(&mut a, (100.0, 2.0), 200.0));
+        let two = [(10.0, 1.0, 10.0), (100.0, 1.0, 100.0)];
+        assert!(!d(&two, (100.0, 1.0), 200.0));
+        assert!(d(&two, (200.0, 2.0), 200.0));
     }
 
     #[test]
