@@ -76,7 +76,19 @@ pub fn run(a: InterferenceArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String)
     let slice_ns = a.slice_us.map(|us| us.saturating_mul(1000));
 
     let classes = [("victim", 1), ("hog", 1)];
-    let gate = runner::new_manager(a.backend, builtin, &classes)?;
+    let handover_ns = if a.handover_ms.is_finite() && (0.0..=10.0).contains(&a.handover_ms) {
+        (a.handover_ms * 1e6).round() as u64
+    } else {
+        return Err(BenchError(format!(
+            "--handover-ms {}: give 0 to 10 (at most one tick)",
+            a.handover_ms
+        )));
+    };
+    let policy = corral_scheduler::PolicyConfig {
+        handover_ns,
+        ..Default::default()
+    };
+    let gate = runner::new_manager_with(a.backend, builtin, &classes, policy)?;
     let off = runner::new_manager(CpuBackend::None, builtin, &classes)?;
 
     let pb = super::progress(if quick { 3 } else { 8 });
@@ -168,7 +180,9 @@ pub fn run(a: InterferenceArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String)
     let mut cells: Vec<Cell> = Vec::new();
     let started = Instant::now();
     let mut round = 0;
-    let mut active: Vec<usize> = (0..jobs.len()).collect();
+    let mut active: Vec<usize> = (0..jobs.len())
+        .filter(|&i| a.victims.is_empty() || a.victims.iter().any(|v| v == jobs[i].0))
+        .collect();
     let stop = loop {
         round += 1;
         let compare = round <= a.compare_runs;
@@ -257,6 +271,10 @@ pub fn run(a: InterferenceArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String)
         CpuBackend::Gate => "gate",
         CpuBackend::Cgroup => "cgroup",
         CpuBackend::None => "none",
+    };
+    let backend = match a.backend {
+        CpuBackend::Gate => format!("{backend}, handover {} ms", a.handover_ms),
+        _ => backend.to_string(),
     };
     rep.para(&format!(
         "Method: headline rounds ({stop}). A victim's round runs it alone and beside each hog \

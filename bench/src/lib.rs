@@ -215,6 +215,13 @@ pub struct InterferenceArgs {
     /// (`gate` or `cgroup`), to compare them on the same host.
     #[arg(long, default_value = "gate", value_parser = parse_backend)]
     backend: corral_vmm::manager::CpuBackend,
+    /// The gate's handover in ms (`corral serve --handover-ms`; 0 = off),
+    /// to compare with and without it.
+    #[arg(long, value_name = "MS", default_value_t = 5.0)]
+    handover_ms: f64,
+    /// Only these victims (`cpu`, `io`; default both).
+    #[arg(long, value_delimiter = ',', value_parser = ["cpu", "io"])]
+    victims: Vec<String>,
 }
 
 fn parse_backend(s: &str) -> Result<corral_vmm::manager::CpuBackend, String> {

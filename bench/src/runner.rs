@@ -26,6 +26,16 @@ pub fn new_manager(
     builtin: &Arc<[u8]>,
     classes: &[(&str, u32)],
 ) -> Result<Arc<Manager>, BenchError> {
+    new_manager_with(backend, builtin, classes, Default::default())
+}
+
+/// [`new_manager`] with the scheduler's timing `policy`.
+pub fn new_manager_with(
+    backend: CpuBackend,
+    builtin: &Arc<[u8]>,
+    classes: &[(&str, u32)],
+    policy: corral_scheduler::PolicyConfig,
+) -> Result<Arc<Manager>, BenchError> {
     let mut initial = vec![("default".to_string(), ClassConfig::default())];
     for (name, shares) in classes {
         initial.push((
@@ -40,6 +50,7 @@ pub fn new_manager(
         builtin_kernel: Some(builtin.clone()),
         cpu_backend: backend,
         initial_classes: initial,
+        policy,
         ..Default::default()
     })
     .map_err(|e| BenchError(format!("manager ({backend:?} backend): {e}")))?;

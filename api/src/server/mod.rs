@@ -80,6 +80,13 @@ pub struct ServeArgs {
     /// turns). Each turn costs a kick and a wake of every vCPU of two VMs.
     #[arg(long, value_name = "MS", default_value_t = 20.0)]
     pub min_slice_ms: f64,
+    /// The handover, in ms: at a tick that parks one VM and unparks
+    /// another, the incoming VM's vCPUs start once the outgoing VM's are
+    /// off the CPU, or after this long (default 5; at most one tick; 0
+    /// starts them at once, beside the outgoing ones until their kick
+    /// lands).
+    #[arg(long, value_name = "MS", default_value_t = 5.0)]
+    pub handover_ms: f64,
     /// A directory whose files clients may use as kernels, initrds and
     /// disks (repeatable; created 0700 if missing). Nothing outside them is
     /// opened, and no symbolic link is followed beneath them.
@@ -259,12 +266,13 @@ pub fn default_token_file(socket: &Path) -> PathBuf {
         .join("token")
 }
 
-/// The policy's timing from `--tick-ms`, `--period-ms` and
-/// `--min-slice-ms`, checked ([`corral_scheduler::PolicyConfig::validate`]).
+/// The policy's timing from `--tick-ms`, `--period-ms`, `--min-slice-ms`
+/// and `--handover-ms`, checked ([`corral_scheduler::PolicyConfig::validate`]).
 fn policy_config(
     tick_ms: f64,
     period_ms: f64,
     min_slice_ms: f64,
+    handover_ms: f64,
 ) -> Result<corral_scheduler::PolicyConfig, ServeError> {
     let ns = |flag: &str, ms: f64| {
         if ms.is_finite() && (0.0..=3_600_000.0).contains(&ms) {
@@ -279,9 +287,13 @@ fn policy_config(
         tick_ns: ns("--tick-ms", tick_ms)?,
         period_ns: ns("--period-ms", period_ms)?,
         min_slice_ns: ns("--min-slice-ms", min_slice_ms)?,
+        handover_ns: ns("--handover-ms", handover_ms)?,
     };
-    cfg.validate()
-        .map_err(|e| ServeError::Config(format!("--tick-ms/--period-ms/--min-slice-ms: {e}")))?;
+    cfg.validate().map_err(|e| {
+        ServeError::Config(format!(
+            "--tick-ms/--period-ms/--min-slice-ms/--handover-ms: {e}"
+        ))
+    })?;
     Ok(cfg)
 }
 
@@ -296,7 +308,12 @@ pub fn serve(args: ServeArgs, builtin: Arc<[u8]>) -> Result<(), ServeError> {
              would cross the network in clear text): pass --allow-remote to listen there anyway"
         )));
     }
-    let policy = policy_config(args.tick_ms, args.period_ms, args.min_slice_ms)?;
+    let policy = policy_config(
+        args.tick_ms,
+        args.period_ms,
+        args.min_slice_ms,
+        args.handover_ms,
+    )?;
     // Start-up phases, logged once the state is reloaded (re-adoption
     // profiling: what a restart with many VM processes spends where).
     let t0 = std::time::Instant::now();

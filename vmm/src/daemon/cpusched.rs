@@ -108,6 +108,14 @@ pub struct TickWork {
     pub parks: u64,
     /// Gates opened (each wakes the VM's vCPUs waiting on it).
     pub unparks: u64,
+    /// Ticks whose unparks waited for a handover (see
+    /// `PolicyConfig::handover_ns`).
+    pub handovers: u64,
+    /// Handovers that ended at their deadline, the outgoing vCPUs not all
+    /// off the CPU yet.
+    pub handover_timeouts: u64,
+    /// Time from the parks to the unparks, summed over the handovers, ns.
+    pub handover_wait_ns: u64,
 }
 
 struct Inner {
@@ -133,6 +141,12 @@ struct Inner {
     tick_count: u64,
     ticks: u64,
     work: TickWork,
+    /// A pending handover: the VMs parked by the last tick, the VMs it
+    /// unparks once those are off the CPU, and when it started and must
+    /// end (ns, [`CpuScheduler::now_ns`]).
+    handover_out: Vec<VmId>,
+    handover_in: Vec<VmId>,
+    handover_at: Option<(u64, u64)>,
 }
 
 /// The scheduler service: policy state plus the tick thread.
@@ -171,6 +185,9 @@ impl CpuScheduler {
                 measured_idle: None,
                 tick_count: 0,
                 work: TickWork::default(),
+                handover_out: Vec::new(),
+                handover_in: Vec::new(),
+                handover_at: None,
             }),
             stop: AtomicBool::new(false),
             thread: Mutex::new(None),
@@ -324,6 +341,9 @@ impl CpuScheduler {
             }
             let c0 = own_thread_cpu_ns();
             self.tick(tick.as_nanos() as u64);
+            while self.handover(false) && !self.stop.load(Ordering::Relaxed) {
+                std::thread::sleep(HANDOVER_POLL);
+            }
             let c1 = own_thread_cpu_ns();
             let mut g = lock(&self.inner);
             g.self_cpu_ns += c1.saturating_sub(c0);
@@ -412,6 +432,7 @@ impl CpuScheduler {
         if let Some((pct, interval)) = outside {
             sched.set_measured_outside(Some(pct), interval);
         }
+        let handover_ns = sched.config().handover_ns;
         let out = sched.tick(now, &inner.usages);
         // Level-triggered: every gate is made to match the policy's current
         // decision, not only the gates of this tick's changes. A change for
@@ -440,20 +461,88 @@ impl CpuScheduler {
         if !in_order {
             inner.vms.sort_unstable_by_key(|v| v.slot);
         }
-        let work = &mut inner.work;
-        for v in &inner.vms {
-            if let Some(run) = v.run
-                && enforce(&v.gate, run)
-            {
-                if run {
+        // Parks first. A VM to unpark while another was just parked waits
+        // for the handover (`handover`, called by the tick thread until it
+        // is done): its vCPUs start once the outgoing ones are off the CPU.
+        // A handover still pending from the last tick is superseded: this
+        // tick's decisions are enforced in full.
+        let Inner {
+            vms,
+            work,
+            handover_out,
+            handover_in,
+            handover_at,
+            ..
+        } = inner;
+        handover_out.clear();
+        handover_in.clear();
+        *handover_at = None;
+        for v in vms.iter() {
+            if v.run == Some(false) && enforce(&v.gate, false) {
+                work.parks += 1;
+                handover_out.push(v.id);
+            }
+        }
+        for v in vms.iter() {
+            if v.run == Some(true) && v.gate.is_parked() {
+                if handover_ns > 0 && !handover_out.is_empty() {
+                    handover_in.push(v.id);
+                } else if enforce(&v.gate, true) {
                     work.unparks += 1;
-                } else {
-                    work.parks += 1;
                 }
             }
         }
+        if !handover_in.is_empty() {
+            work.handovers += 1;
+            *handover_at = Some((now, now + handover_ns));
+        }
+    }
+
+    /// Ends a pending handover once every VM the last tick parked has its
+    /// vCPUs off the CPU (all waiting on its gate), or at its deadline, or
+    /// at once with `force`: opens the gates of the VMs that tick decided
+    /// to unpark. Returns whether a handover is still pending. A VM
+    /// process's count of waiting vCPUs is its own (untrusted): one that
+    /// under-reports only delays the next VM by the deadline (at most one
+    /// tick), one that over-reports only ends the handover early.
+    pub fn handover(&self, force: bool) -> bool {
+        let now = self.now_ns();
+        let mut g = lock(&self.inner);
+        let inner = &mut *g;
+        let Some((start, until)) = inner.handover_at else {
+            return false;
+        };
+        let off_cpu = |id: &VmId| {
+            inner.vms.iter().find(|v| v.id == *id).is_none_or(|v| {
+                !v.gate.is_parked() || v.gate.waiting() >= v.idle_ticks.len() as u64
+            })
+        };
+        let settled = inner.handover_out.iter().all(off_cpu);
+        if !settled && !force && now < until {
+            return true;
+        }
+        let work = &mut inner.work;
+        if !settled {
+            work.handover_timeouts += 1;
+        }
+        work.handover_wait_ns += now.saturating_sub(start);
+        for id in &inner.handover_in {
+            if let Some(v) = inner.vms.iter().find(|v| v.id == *id)
+                && v.run == Some(true)
+                && enforce(&v.gate, true)
+            {
+                work.unparks += 1;
+            }
+        }
+        inner.handover_in.clear();
+        inner.handover_out.clear();
+        inner.handover_at = None;
+        false
     }
 }
+
+/// How often the tick thread looks whether a handover can end.
+const HANDOVER_POLL: Duration = Duration::from_micros(500);
 
 impl CpuScheduler {
     /// Reads the host's CPU times and updates the idle and steal figures;
