@@ -14,7 +14,8 @@
 //! VMs as threads (`--vm-mode thread`) and as VM processes (`--vm-mode
 //! process`, unjailed: the jail does not change what the scheduler reads),
 //! interleaved thread, process, thread, ... (default 2 rounds, 10 s each;
-//! `CORRAL_SCHED_SECS` sets the window), with the clock reads per tick.
+//! `CORRAL_SCHED_SECS` sets the window), with the clock reads per tick;
+//! `CORRAL_HANDOVER_MS=0,5` runs each mode with each handover in turn.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -51,6 +52,11 @@ struct Cost {
     /// Gates parked and opened per tick.
     parks: f64,
     unparks: f64,
+    /// Handovers per tick, the share of them that timed out, and their
+    /// mean wait (ms).
+    handovers: f64,
+    timeouts: f64,
+    handover_ms: f64,
 }
 
 impl std::fmt::Display for Cost {
@@ -58,8 +64,17 @@ impl std::fmt::Display for Cost {
         write!(
             f,
             "{:.3} % of one CPU, {} ticks, {:.1} us per tick, {:.2} clock reads per tick, \
-             {:.2} parks and {:.2} unparks per tick",
-            self.pct, self.ticks, self.us, self.reads, self.parks, self.unparks
+             {:.2} parks and {:.2} unparks per tick, {:.2} handovers per tick \
+             ({:.0} % timed out, {:.2} ms each)",
+            self.pct,
+            self.ticks,
+            self.us,
+            self.reads,
+            self.parks,
+            self.unparks,
+            self.handovers,
+            self.timeouts * 100.0,
+            self.handover_ms
         )
     }
 }
@@ -81,12 +96,18 @@ fn self_cost(cpu: &CpuScheduler, window: Duration) -> Cost {
         reads: per_tick(w0.clock_reads, w1.clock_reads),
         parks: per_tick(w0.parks, w1.parks),
         unparks: per_tick(w0.unparks, w1.unparks),
+        handovers: per_tick(w0.handovers, w1.handovers),
+        timeouts: (w1.handover_timeouts - w0.handover_timeouts) as f64
+            / (w1.handovers - w0.handovers).max(1) as f64,
+        handover_ms: (w1.handover_wait_ns - w0.handover_wait_ns) as f64
+            / 1e6
+            / (w1.handovers - w0.handovers).max(1) as f64,
     }
 }
 
 /// 25 spinning 4-vCPU probe VMs (classes a:b = 2:1) through the daemon's
 /// manager, as threads or as VM processes; the scheduler thread's cost.
-fn cost_through_manager(processes: bool, window: Duration) -> Cost {
+fn cost_through_manager(processes: bool, handover_ns: u64, window: Duration) -> Cost {
     let class = |shares| ClassConfig {
         cpu: ClassSpec::new(shares),
         io: Limits::default(),
@@ -108,6 +129,10 @@ fn cost_through_manager(processes: bool, window: Duration) -> Cost {
                 ("b".into(), class(1)),
             ],
             vm_processes,
+            policy: corral_scheduler::PolicyConfig {
+                handover_ns,
+                ..Default::default()
+            },
             ..Default::default()
         })
         .expect("manager"),
@@ -141,13 +166,28 @@ fn main() {
             .ok()
             .and_then(|s| s.parse().ok())
             .unwrap_or(10);
+        // CORRAL_HANDOVER_MS=A,B: each mode with each handover in turn.
+        let handovers: Vec<u64> = std::env::var("CORRAL_HANDOVER_MS")
+            .ok()
+            .map(|v| {
+                v.split(',')
+                    .filter_map(|x| x.trim().parse::<f64>().ok())
+                    .filter(|ms| (0.0..=10.0).contains(ms))
+                    .map(|ms| (ms * 1e6) as u64)
+                    .collect()
+            })
+            .filter(|v: &Vec<u64>| !v.is_empty())
+            .unwrap_or(vec![corral_scheduler::PolicyConfig::default().handover_ns]);
         for round in 1..=rounds {
             for processes in [false, true] {
-                let c = cost_through_manager(processes, Duration::from_secs(secs));
-                println!(
-                    "round {round}: scheduler thread, 100 vCPUs (25 VMs x 4), {} mode, {secs} s: {c}",
-                    if processes { "process" } else { "thread" }
-                );
+                for &h in &handovers {
+                    let c = cost_through_manager(processes, h, Duration::from_secs(secs));
+                    println!(
+                        "round {round}: scheduler thread, 100 vCPUs (25 VMs x 4), {} mode, handover {} ms, {secs} s: {c}",
+                        if processes { "process" } else { "thread" },
+                        h as f64 / 1e6
+                    );
+                }
             }
         }
         return;

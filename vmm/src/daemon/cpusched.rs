@@ -44,6 +44,11 @@ struct Sample {
     busy: Option<u32>,
     /// Busy threads besides the vCPUs (its device thread).
     helpers: u32,
+    /// Whether those threads did real work (an I/O VM's device thread),
+    /// if this sample tells: a VM process's other threads' time is the
+    /// process clock less its vCPUs', and a spinning VM process shows a
+    /// "busy helper" now and then from the two readings' skew alone.
+    io: Option<bool>,
 }
 
 /// Where a VM's CPU time comes from.
@@ -71,6 +76,10 @@ struct Tracked {
     slot: usize,
     /// The decision in force (`None`: the policy does not know the VM).
     run: Option<bool>,
+    /// Whether it had a busy helper thread (its device thread) the last
+    /// time it ran with a runnable vCPU: an I/O VM, whose unparks wait for
+    /// a handover (see `PolicyConfig::handover_ns`).
+    io: bool,
 }
 
 /// A parked and settled VM's idle device thread (or its quiet VM
@@ -285,6 +294,7 @@ impl CpuScheduler {
             // Found (and the list put in order) at the next tick.
             slot: usize::MAX,
             run: parked.map(|p| !p),
+            io: false,
         };
         match inner.vms.iter_mut().find(|t| t.id == id) {
             Some(t) => *t = v,
@@ -412,6 +422,12 @@ impl CpuScheduler {
                 None => v.runnable,
             };
             v.runnable = runnable;
+            if !parked
+                && s.busy.is_some_and(|b| b > 0)
+                && let Some(io) = s.io
+            {
+                v.io = io;
+            }
             inner.usages.push(
                 VmUsage::total(v.id, s.total, runnable > 0)
                     .with_runnable_vcpus(runnable)
@@ -461,9 +477,16 @@ impl CpuScheduler {
         if !in_order {
             inner.vms.sort_unstable_by_key(|v| v.slot);
         }
-        // Parks first. A VM to unpark while another was just parked waits
-        // for the handover (`handover`, called by the tick thread until it
-        // is done): its vCPUs start once the outgoing ones are off the CPU.
+        // Parks first. An I/O VM to unpark while another was just parked
+        // waits for the handover (`handover`, called by the tick thread
+        // until it is done): its vCPUs start once the outgoing ones are off
+        // the CPU. Only an I/O VM: its vCPU and device thread hand each
+        // request to each other, and each hand-off waited for a CPU behind
+        // the outgoing VM's spinning vCPUs (io victim beside the CPU hog:
+        // vCPU waits 1.43 -> 0.49 s a run with the handover); a CPU-bound
+        // VM only shares the CPUs for the kick's time, which the credits
+        // charge, and at 100 spinning vCPUs the polls cost the scheduler
+        // thread ~0.2 % of a CPU (BENCHMARKS.md, Session 10).
         // A handover still pending from the last tick is superseded: this
         // tick's decisions are enforced in full.
         let Inner {
@@ -485,7 +508,7 @@ impl CpuScheduler {
         }
         for v in vms.iter() {
             if v.run == Some(true) && v.gate.is_parked() {
-                if handover_ns > 0 && !handover_out.is_empty() {
+                if handover_ns > 0 && v.io && !handover_out.is_empty() {
                     handover_in.push(v.id);
                 } else if enforce(&v.gate, true) {
                     work.unparks += 1;

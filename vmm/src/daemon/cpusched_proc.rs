@@ -31,6 +31,13 @@ use crate::vmgate::{ThreadRunTime, process_cpu_ns};
 /// count then comes from the process total.
 const STALE_TICKS: u8 = 3;
 
+/// A VM process whose threads besides its vCPUs used at least 1/N of a
+/// CPU is an I/O VM (its device thread serves requests), for the
+/// handover: an io victim's device thread is busy most of the time, and
+/// the skew between the process clock and the vCPUs' run times stays well
+/// under this.
+const IO_FRACTION: u64 = 10;
+
 pub(super) struct ProcSource {
     pid: libc::pid_t,
     /// The vCPU threads' run-time files (may be empty).
@@ -126,6 +133,7 @@ impl ProcSource {
                 total: self.total,
                 busy: None,
                 helpers: 0,
+                io: None,
             };
         }
         *reads += 1;
@@ -160,6 +168,7 @@ impl ProcSource {
                 total,
                 busy: None,
                 helpers: u32::from(used.saturating_mul(BUSY_FRACTION) >= tick_ns),
+                io: None,
             };
         }
         // Ticks the helper share below is taken over.
@@ -190,6 +199,7 @@ impl ProcSource {
                 total,
                 busy: Some(busy),
                 helpers: self.helpers,
+                io: None,
             };
         } else if !self.tids.is_empty() {
             for ((t, last), i) in self
@@ -239,10 +249,14 @@ impl ProcSource {
                 >= tick_ns.saturating_mul(window),
         );
         self.helpers = helpers;
+        // An I/O VM: its other threads used a tenth of a CPU or more.
+        let io = used.saturating_sub(vcpus_used).saturating_mul(IO_FRACTION)
+            >= tick_ns.saturating_mul(window);
         Sample {
             total,
             busy: Some(busy),
             helpers,
+            io: Some(io),
         }
     }
 }

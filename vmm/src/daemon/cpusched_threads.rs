@@ -97,6 +97,7 @@ impl ThreadSource {
             total: self.total + extra,
             busy,
             helpers,
+            io: Some(helpers > 0),
         }
     }
 
