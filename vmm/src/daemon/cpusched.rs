@@ -489,36 +489,7 @@ impl CpuScheduler {
         // thread ~0.2 % of a CPU (BENCHMARKS.md, Session 10).
         // A handover still pending from the last tick is superseded: this
         // tick's decisions are enforced in full.
-        let Inner {
-            vms,
-            work,
-            handover_out,
-            handover_in,
-            handover_at,
-            ..
-        } = inner;
-        handover_out.clear();
-        handover_in.clear();
-        *handover_at = None;
-        for v in vms.iter() {
-            if v.run == Some(false) && enforce(&v.gate, false) {
-                work.parks += 1;
-                handover_out.push(v.id);
-            }
-        }
-        for v in vms.iter() {
-            if v.run == Some(true) && v.gate.is_parked() {
-                if handover_ns > 0 && v.io && !handover_out.is_empty() {
-                    handover_in.push(v.id);
-                } else if enforce(&v.gate, true) {
-                    work.unparks += 1;
-                }
-            }
-        }
-        if !handover_in.is_empty() {
-            work.handovers += 1;
-            *handover_at = Some((now, now + handover_ns));
-        }
+        enforce_all(inner, handover_ns, now);
     }
 
     /// Ends a pending handover once every VM the last tick parked has its
@@ -561,6 +532,41 @@ impl CpuScheduler {
         inner.handover_out.clear();
         inner.handover_at = None;
         false
+    }
+}
+
+/// Makes every gate match the decision in force (parks first; an I/O VM
+/// to unpark beside a fresh park waits for the handover).
+fn enforce_all(inner: &mut Inner, handover_ns: u64, now: u64) {
+    let Inner {
+        vms,
+        work,
+        handover_out,
+        handover_in,
+        handover_at,
+        ..
+    } = inner;
+    handover_out.clear();
+    handover_in.clear();
+    *handover_at = None;
+    for v in vms.iter() {
+        if v.run == Some(false) && enforce(&v.gate, false) {
+            work.parks += 1;
+            handover_out.push(v.id);
+        }
+    }
+    for v in vms.iter() {
+        if v.run == Some(true) && v.gate.is_parked() {
+            if handover_ns > 0 && v.io && !handover_out.is_empty() {
+                handover_in.push(v.id);
+            } else if enforce(&v.gate, true) {
+                work.unparks += 1;
+            }
+        }
+    }
+    if !handover_in.is_empty() {
+        work.handovers += 1;
+        *handover_at = Some((now, now + handover_ns));
     }
 }
 

@@ -647,3 +647,95 @@ fn a_spinning_vm_process_has_its_vcpus_read_every_third_tick() {
         "both vCPUs runnable in {all_busy} of {TICKS} ticks"
     );
 }
+
+/// A fake vCPU: waits on `gate` whenever it is parked, after `delay` (a
+/// kick that takes that long to land); otherwise sleeps briefly.
+fn fake_vcpu(
+    gate: Arc<Gate>,
+    delay: Duration,
+    stop: Arc<AtomicBool>,
+) -> (libc::pid_t, std::thread::JoinHandle<()>) {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let t = std::thread::spawn(move || {
+        // SAFETY: gettid has no preconditions.
+        tx.send(unsafe { libc::gettid() }).unwrap();
+        while !stop.load(Ordering::Relaxed) {
+            if gate.is_parked() {
+                std::thread::sleep(delay);
+                gate.wait_while_parked_timeout(Duration::from_millis(50));
+            } else {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+    });
+    (rx.recv().unwrap(), t)
+}
+
+/// The handover: a tick that parks VM 1 and unparks I/O VM 2 opens VM 2's
+/// gate only once VM 1's vCPU waits on its gate (or at the deadline); a
+/// CPU-bound VM 3 is unparked at once.
+#[test]
+fn an_io_vm_is_unparked_once_the_outgoing_vcpus_are_off_the_cpu() {
+    use corral_scheduler::model::{Capacity, ClassSpec, VmSpec};
+    use corral_scheduler::{PolicyConfig, Scheduler};
+    let mut sched = Scheduler::new(Capacity::from_cpus(2), PolicyConfig::default()).unwrap();
+    sched.create_class("c", ClassSpec::new(100)).unwrap();
+    for i in 1..=3 {
+        sched.add_vm(VmId(i), VmSpec::new("c", 1)).unwrap();
+    }
+    let cpu = CpuScheduler::new(Arc::new(Mutex::new(sched)));
+    let stop = Arc::new(AtomicBool::new(false));
+    let gates: Vec<Arc<Gate>> = (0..3).map(|_| Arc::new(Gate::new())).collect();
+    // VM 1's kick lands after 40 ms.
+    let (tid, t) = fake_vcpu(gates[0].clone(), Duration::from_millis(40), stop.clone());
+    cpu.attach(VmId(1), gates[0].clone(), vec![tid], Vec::new());
+    cpu.attach(VmId(2), gates[1].clone(), Vec::new(), Vec::new());
+    cpu.attach(VmId(3), gates[2].clone(), Vec::new(), Vec::new());
+    gates[1].park();
+    gates[2].park();
+    {
+        let mut g = lock(&cpu.inner);
+        for v in g.vms.iter_mut() {
+            v.run = Some(v.id == VmId(2) || v.id == VmId(3));
+            v.io = v.id == VmId(2);
+        }
+        let now = cpu.now_ns();
+        enforce_all(&mut g, 50_000_000, now);
+    }
+    assert!(gates[0].is_parked(), "the outgoing VM is parked at once");
+    assert!(!gates[2].is_parked(), "a CPU-bound VM is unparked at once");
+    assert!(gates[1].is_parked(), "the I/O VM waits for the handover");
+    assert!(cpu.handover(false), "the outgoing vCPU is still on the CPU");
+    assert!(gates[1].is_parked());
+    let t0 = Instant::now();
+    while cpu.handover(false) {
+        assert!(t0.elapsed() < Duration::from_secs(5), "no handover");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert!(
+        !gates[1].is_parked(),
+        "the handover opened the I/O VM's gate"
+    );
+    assert_eq!(gates[0].waiting(), 1, "it waited for the outgoing vCPU");
+    let w = cpu.work();
+    assert_eq!((w.handovers, w.handover_timeouts), (1, 0), "{w:?}");
+    assert!(w.handover_wait_ns >= 30_000_000, "{w:?}");
+    // A vCPU that never gets off the CPU: the deadline ends the handover.
+    gates[0].unpark();
+    gates[1].park();
+    stop.store(true, Ordering::Relaxed);
+    t.join().unwrap();
+    {
+        let mut g = lock(&cpu.inner);
+        let now = cpu.now_ns();
+        enforce_all(&mut g, 5_000_000, now);
+    }
+    assert!(gates[1].is_parked());
+    std::thread::sleep(Duration::from_millis(6));
+    assert!(!cpu.handover(false));
+    assert!(
+        !gates[1].is_parked(),
+        "the deadline opened the I/O VM's gate"
+    );
+    assert_eq!(cpu.work().handover_timeouts, 1);
+}
