@@ -477,16 +477,18 @@ impl CpuScheduler {
         if !in_order {
             inner.vms.sort_unstable_by_key(|v| v.slot);
         }
-        // Parks first. An I/O VM to unpark while another was just parked
-        // waits for the handover (`handover`, called by the tick thread
-        // until it is done): its vCPUs start once the outgoing ones are off
-        // the CPU. Only an I/O VM: its vCPU and device thread hand each
-        // request to each other, and each hand-off waited for a CPU behind
-        // the outgoing VM's spinning vCPUs (io victim beside the CPU hog:
-        // vCPU waits 1.43 -> 0.49 s a run with the handover); a CPU-bound
-        // VM only shares the CPUs for the kick's time, which the credits
-        // charge, and at 100 spinning vCPUs the polls cost the scheduler
-        // thread ~0.2 % of a CPU (BENCHMARKS.md, Session 10).
+        // Parks first. A VM to unpark while another was just parked waits
+        // for the handover (`handover`, called by the tick thread until it
+        // is done) if either is an I/O VM: the incoming VM's vCPUs start
+        // once the outgoing ones are off the CPU. An I/O VM's vCPU and
+        // device thread hand each request to each other, and each hand-off
+        // waited for a CPU behind the other VM's spinning vCPUs, at its
+        // turn's start and at its end (io victim beside the CPU hog: vCPU
+        // waits 1.43 -> 0.49 s a run with the handover both ways, 2.09 s
+        // with it only for the incoming VM); between CPU-bound VMs the
+        // overlap costs nothing the credits do not charge, and at 100
+        // spinning vCPUs the polls cost the scheduler thread ~0.2 % of a
+        // CPU (BENCHMARKS.md, Session 10).
         // A handover still pending from the last tick is superseded: this
         // tick's decisions are enforced in full.
         enforce_all(inner, handover_ns, now);
@@ -535,8 +537,9 @@ impl CpuScheduler {
     }
 }
 
-/// Makes every gate match the decision in force (parks first; an I/O VM
-/// to unpark beside a fresh park waits for the handover).
+/// Makes every gate match the decision in force (parks first; a VM to
+/// unpark beside a fresh park waits for the handover if it or a VM parked
+/// is an I/O VM).
 fn enforce_all(inner: &mut Inner, handover_ns: u64, now: u64) {
     let Inner {
         vms,
@@ -549,15 +552,17 @@ fn enforce_all(inner: &mut Inner, handover_ns: u64, now: u64) {
     handover_out.clear();
     handover_in.clear();
     *handover_at = None;
+    let mut io_out = false;
     for v in vms.iter() {
         if v.run == Some(false) && enforce(&v.gate, false) {
             work.parks += 1;
             handover_out.push(v.id);
+            io_out |= v.io;
         }
     }
     for v in vms.iter() {
         if v.run == Some(true) && v.gate.is_parked() {
-            if handover_ns > 0 && v.io && !handover_out.is_empty() {
+            if handover_ns > 0 && (v.io || io_out) && !handover_out.is_empty() {
                 handover_in.push(v.id);
             } else if enforce(&v.gate, true) {
                 work.unparks += 1;

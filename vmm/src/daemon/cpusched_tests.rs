@@ -738,4 +738,18 @@ fn an_io_vm_is_unparked_once_the_outgoing_vcpus_are_off_the_cpu() {
         "the deadline opened the I/O VM's gate"
     );
     assert_eq!(cpu.work().handover_timeouts, 1);
+    // The other way round: the I/O VM 2 parked, CPU-bound VM 1 unparked
+    // waits for it (no vCPU threads: off the CPU at once here).
+    {
+        let mut g = lock(&cpu.inner);
+        for v in g.vms.iter_mut() {
+            v.run = Some(v.id != VmId(2));
+        }
+        gates[0].park();
+        let now = cpu.now_ns();
+        enforce_all(&mut g, 5_000_000, now);
+        assert_eq!(g.handover_in, vec![VmId(1)], "VM 1 waits for the I/O VM");
+    }
+    assert!(!cpu.handover(false));
+    assert!(!gates[0].is_parked());
 }
