@@ -86,8 +86,12 @@ pub fn run(a: InterferenceArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String)
     };
     let policy = corral_scheduler::PolicyConfig {
         handover_ns,
+        min_slice_ns: (a.min_slice_ms.clamp(0.0, 100.0) * 1e6).round() as u64,
         ..Default::default()
     };
+    policy
+        .validate()
+        .map_err(|e| BenchError(format!("--handover-ms/--min-slice-ms: {e}")))?;
     let gate = runner::new_manager_with(a.backend, builtin, &classes, policy)?;
     let off = runner::new_manager(CpuBackend::None, builtin, &classes)?;
 
@@ -273,7 +277,10 @@ pub fn run(a: InterferenceArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String)
         CpuBackend::None => "none",
     };
     let backend = match a.backend {
-        CpuBackend::Gate => format!("{backend}, handover {} ms", a.handover_ms),
+        CpuBackend::Gate => format!(
+            "{backend}, handover {} ms, minimum slice {} ms",
+            a.handover_ms, a.min_slice_ms
+        ),
         _ => backend.to_string(),
     };
     rep.para(&format!(

@@ -219,6 +219,9 @@ pub struct InterferenceArgs {
     /// to compare with and without it.
     #[arg(long, value_name = "MS", default_value_t = 5.0)]
     handover_ms: f64,
+    /// The gate's minimum slice in ms (`corral serve --min-slice-ms`).
+    #[arg(long, value_name = "MS", default_value_t = 20.0)]
+    min_slice_ms: f64,
     /// Only these victims (`cpu`, `io`; default both).
     #[arg(long, value_delimiter = ',', value_parser = ["cpu", "io"])]
     victims: Vec<String>,
