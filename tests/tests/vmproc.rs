@@ -92,6 +92,13 @@ fn get(d: &Daemon, path: &str) -> Value {
     r.json()
 }
 
+/// An empty state directory of this test process, named `tag`.
+fn fresh_state_dir(tag: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("corral-vmproc-{}-{tag}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
+
 /// Asks a VM process for its status on its control socket, as a daemon.
 fn status_on_socket(path: &Path) -> corral_vmm::vmproc::proto::Status {
     let s = adopt::connect(path).expect("connect to the VM's control socket");
@@ -217,8 +224,7 @@ fn kill9_of_a_vm_process_fails_that_vm_only() {
 /// see `a_vm_printing_when_its_daemon_dies_knows_it_is_unsupervised`.)
 #[test]
 fn vms_outlive_kill9_of_the_daemon_and_the_next_one_adopts_them() {
-    let dir = std::env::temp_dir().join(format!("corral-vmproc-{}-adopt", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    let dir = fresh_state_dir("adopt");
     let sd = dir.to_str().unwrap();
     let mut d = Daemon::start(&["--state-dir", sd]);
     let r = d.req("POST", "/v1/vms", Some(&idle_vm("v", 120)));
@@ -275,8 +281,7 @@ fn vms_outlive_kill9_of_the_daemon_and_the_next_one_adopts_them() {
 #[test]
 fn a_hundred_vms_are_readopted_after_a_restart() {
     const N: usize = 100;
-    let dir = std::env::temp_dir().join(format!("corral-vmproc-{}-100", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    let dir = fresh_state_dir("100");
     let sd = dir.to_str().unwrap();
     let d = Daemon::start(&["--state-dir", sd, KEEP_VMS, "--memory-budget", "8192"]);
     let mut c = d.conn();
@@ -367,8 +372,7 @@ fn consistent(d: &Daemon, dir: &Path, why: &str) -> std::collections::BTreeMap<S
 
 #[test]
 fn kill9_of_the_daemon_during_a_create_or_a_delete_leaves_no_orphan_and_no_ghost() {
-    let dir = std::env::temp_dir().join(format!("corral-vmproc-{}-crash", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    let dir = fresh_state_dir("crash");
     let sd = dir.to_str().unwrap();
     // A VM that stays throughout, so that every restart also re-adopts.
     let mut d = Daemon::start(&["--state-dir", sd]);
@@ -437,8 +441,7 @@ fn kill9_of_the_daemon_during_a_create_or_a_delete_leaves_no_orphan_and_no_ghost
 
 #[test]
 fn a_vm_process_whose_daemon_died_before_it_started_does_not_run_on() {
-    let dir = std::env::temp_dir().join(format!("corral-vmproc-{}-late", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    let dir = fresh_state_dir("late");
     let sd = dir.to_str().unwrap();
     // The VM process of "late" is slow to make its control socket: the
     // daemon dies after it sent the configuration, before the socket
@@ -488,8 +491,7 @@ fn a_vm_process_whose_daemon_died_before_it_started_does_not_run_on() {
 #[test]
 fn a_vm_printing_when_its_daemon_dies_knows_it_is_unsupervised() {
     const N: usize = 2;
-    let dir = std::env::temp_dir().join(format!("corral-vmproc-{}-busy", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    let dir = fresh_state_dir("busy");
     let sd = dir.to_str().unwrap();
     let faults: Vec<String> = (0..N)
         .map(|i| format!("vmproc-slow-lost-daemon:b{i}"))
