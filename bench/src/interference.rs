@@ -76,17 +76,18 @@ pub fn run(a: InterferenceArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String)
     let slice_ns = a.slice_us.map(|us| us.saturating_mul(1000));
 
     let classes = [("victim", 1), ("hog", 1)];
-    let handover_ns = if a.handover_ms.is_finite() && (0.0..=10.0).contains(&a.handover_ms) {
-        (a.handover_ms * 1e6).round() as u64
-    } else {
-        return Err(BenchError(format!(
-            "--handover-ms {}: give 0 to 10 (at most one tick)",
-            a.handover_ms
-        )));
+    // Milliseconds of a flag, as ns: the checks of the bounds between the
+    // settings are `PolicyConfig::validate`'s.
+    let ns = |flag: &str, ms: f64| {
+        if ms.is_finite() && (0.0..=1000.0).contains(&ms) {
+            Ok((ms * 1e6).round() as u64)
+        } else {
+            Err(BenchError(format!("{flag} {ms}: give 0 to 1000 ms")))
+        }
     };
     let policy = corral_scheduler::PolicyConfig {
-        handover_ns,
-        min_slice_ns: (a.min_slice_ms.clamp(0.0, 100.0) * 1e6).round() as u64,
+        handover_ns: ns("--handover-ms", a.handover_ms)?,
+        min_slice_ns: ns("--min-slice-ms", a.min_slice_ms)?,
         ..Default::default()
     };
     policy

@@ -61,13 +61,14 @@ pub struct PolicyConfig {
     /// reasons). 0, or a value up to one tick, gives one-tick turns.
     pub min_slice_ns: u64,
     /// Handover, in ns (default 5 ms; 0 = off): at a tick that parks a VM
-    /// and unparks an I/O VM (one with a busy device thread), the enforcer
-    /// opens the I/O VM's gate only once the outgoing VMs' vCPUs are all
-    /// off the CPU (waiting on their gates), or after this long. A kick
-    /// takes up to ~4 ms on kvm_pvm: without the handover the two VMs ran
-    /// side by side that long at every turn, and the I/O VM's vCPU and
-    /// device thread, which hand each request to each other, waited for a
-    /// CPU behind the outgoing VM's spinning vCPUs at every hand-off. At
+    /// and unparks another, if either is an I/O VM (one with a busy device
+    /// thread), the enforcer opens the incoming VM's gate only once the
+    /// outgoing VMs' vCPUs are all off the CPU (waiting on their gates), or
+    /// after this long. A kick takes up to ~4 ms on kvm_pvm: without the
+    /// handover the two VMs ran side by side that long at every turn, and
+    /// the I/O VM's vCPU and device thread, which hand each request to each
+    /// other, waited for a CPU behind the other VM's spinning vCPUs at
+    /// every hand-off. At
     /// most one tick. Not a policy input: the policy charges each VM what
     /// it used, so the shares do not depend on it.
     pub handover_ns: u64,

@@ -80,10 +80,11 @@ pub struct ServeArgs {
     /// turns). Each turn costs a kick and a wake of every vCPU of two VMs.
     #[arg(long, value_name = "MS", default_value_t = 20.0)]
     pub min_slice_ms: f64,
-    /// The handover, in ms: at a tick that parks one VM and unparks an I/O
-    /// VM, the I/O VM's vCPUs start once the outgoing VM's are off the
-    /// CPU, or after this long (default 5; at most one tick; 0 starts them
-    /// at once, beside the outgoing ones until their kick lands).
+    /// The handover, in ms: at a tick that parks one VM and unparks
+    /// another, if either is an I/O VM, the incoming VM's vCPUs start once
+    /// the outgoing VM's are off the CPU, or after this long (default 5; at
+    /// most one tick; 0 starts them at once, beside the outgoing ones until
+    /// their kick lands).
     #[arg(long, value_name = "MS", default_value_t = 5.0)]
     pub handover_ms: f64,
     /// A directory whose files clients may use as kernels, initrds and

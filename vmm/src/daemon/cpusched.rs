@@ -77,8 +77,8 @@ struct Tracked {
     /// The decision in force (`None`: the policy does not know the VM).
     run: Option<bool>,
     /// Whether it had a busy helper thread (its device thread) the last
-    /// time it ran with a runnable vCPU: an I/O VM, whose unparks wait for
-    /// a handover (see `PolicyConfig::handover_ns`).
+    /// time it ran with a runnable vCPU: an I/O VM, whose turns start and
+    /// end with a handover (see `PolicyConfig::handover_ns`).
     io: bool,
 }
 
@@ -351,7 +351,7 @@ impl CpuScheduler {
             }
             let c0 = own_thread_cpu_ns();
             self.tick(tick.as_nanos() as u64);
-            while self.handover(false) && !self.stop.load(Ordering::Relaxed) {
+            while self.handover() && !self.stop.load(Ordering::Relaxed) {
                 std::thread::sleep(HANDOVER_POLL);
             }
             let c1 = own_thread_cpu_ns();
@@ -484,8 +484,8 @@ impl CpuScheduler {
         // device thread hand each request to each other, and each hand-off
         // waited for a CPU behind the other VM's spinning vCPUs, at its
         // turn's start and at its end (io victim beside the CPU hog: vCPU
-        // waits 1.43 -> 0.49 s a run with the handover both ways, 2.09 s
-        // with it only for the incoming VM); between CPU-bound VMs the
+        // waits 1.43 s a run without the handover, 2.09 s with it only for
+        // an incoming I/O VM, 0.36 s with it both ways); between CPU-bound VMs the
         // overlap costs nothing the credits do not charge, and at 100
         // spinning vCPUs the polls cost the scheduler thread ~0.2 % of a
         // CPU (BENCHMARKS.md, Session 10).
@@ -495,13 +495,12 @@ impl CpuScheduler {
     }
 
     /// Ends a pending handover once every VM the last tick parked has its
-    /// vCPUs off the CPU (all waiting on its gate), or at its deadline, or
-    /// at once with `force`: opens the gates of the VMs that tick decided
-    /// to unpark. Returns whether a handover is still pending. A VM
+    /// vCPUs off the CPU (all waiting on its gate), or at its deadline:
+    /// opens the gates of the VMs that tick decided to unpark. Returns whether a handover is still pending. A VM
     /// process's count of waiting vCPUs is its own (untrusted): one that
     /// under-reports only delays the next VM by the deadline (at most one
     /// tick), one that over-reports only ends the handover early.
-    pub fn handover(&self, force: bool) -> bool {
+    pub fn handover(&self) -> bool {
         let now = self.now_ns();
         let mut g = lock(&self.inner);
         let inner = &mut *g;
@@ -514,7 +513,7 @@ impl CpuScheduler {
             })
         };
         let settled = inner.handover_out.iter().all(off_cpu);
-        if !settled && !force && now < until {
+        if !settled && now < until {
             return true;
         }
         let work = &mut inner.work;

@@ -705,10 +705,10 @@ fn an_io_vm_is_unparked_once_the_outgoing_vcpus_are_off_the_cpu() {
     assert!(gates[0].is_parked(), "the outgoing VM is parked at once");
     assert!(!gates[2].is_parked(), "a CPU-bound VM is unparked at once");
     assert!(gates[1].is_parked(), "the I/O VM waits for the handover");
-    assert!(cpu.handover(false), "the outgoing vCPU is still on the CPU");
+    assert!(cpu.handover(), "the outgoing vCPU is still on the CPU");
     assert!(gates[1].is_parked());
     let t0 = Instant::now();
-    while cpu.handover(false) {
+    while cpu.handover() {
         assert!(t0.elapsed() < Duration::from_secs(5), "no handover");
         std::thread::sleep(Duration::from_millis(1));
     }
@@ -732,7 +732,7 @@ fn an_io_vm_is_unparked_once_the_outgoing_vcpus_are_off_the_cpu() {
     }
     assert!(gates[1].is_parked());
     std::thread::sleep(Duration::from_millis(6));
-    assert!(!cpu.handover(false));
+    assert!(!cpu.handover());
     assert!(
         !gates[1].is_parked(),
         "the deadline opened the I/O VM's gate"
@@ -750,6 +750,6 @@ fn an_io_vm_is_unparked_once_the_outgoing_vcpus_are_off_the_cpu() {
         enforce_all(&mut g, 5_000_000, now);
         assert_eq!(g.handover_in, vec![VmId(1)], "VM 1 waits for the I/O VM");
     }
-    assert!(!cpu.handover(false));
+    assert!(!cpu.handover());
     assert!(!gates[0].is_parked());
 }
