@@ -358,24 +358,57 @@ impl CgroupBackend {
 
     /// Removes the groups below the root that `keep` does not name (class
     /// and VM groups of a daemon before a restart whose classes or VMs are
-    /// gone), deepest first; a group that still holds a task or a kept
-    /// group stays. Returns how many were removed.
+    /// gone), deepest first; a kept group, or one that holds a live task,
+    /// stays. A group whose every task is exiting (a VM process killed
+    /// while no daemon ran: its threads leave the group one by one, a vCPU
+    /// or the VM's memory can take a while) is retried for up to
+    /// [`BUSY_GROUP_WAIT`]. Returns how many were removed.
     pub fn prune(&self, keep: &std::collections::BTreeSet<PathBuf>) -> usize {
-        fn walk(dir: &Path, keep: &std::collections::BTreeSet<PathBuf>, n: &mut usize) {
+        self.prune_within(keep, BUSY_GROUP_WAIT)
+    }
+
+    fn prune_within(
+        &self,
+        keep: &std::collections::BTreeSet<PathBuf>,
+        wait: std::time::Duration,
+    ) -> usize {
+        /// One pass; returns whether a group it could not remove is dying.
+        fn walk(
+            dir: &Path,
+            keep: &std::collections::BTreeSet<PathBuf>,
+            tasks: &str,
+            n: &mut usize,
+        ) -> bool {
+            let mut dying = false;
             if let Ok(entries) = fs::read_dir(dir) {
                 for e in entries.flatten() {
                     if e.file_type().is_ok_and(|t| t.is_dir()) {
                         let p = e.path();
-                        walk(&p, keep, n);
-                        if !keep.contains(&p) && fs::remove_dir(&p).is_ok() {
-                            *n += 1;
+                        dying |= walk(&p, keep, tasks, n);
+                        if keep.contains(&p) {
+                            continue;
+                        }
+                        match fs::remove_dir(&p) {
+                            Ok(()) => *n += 1,
+                            Err(e) if e.raw_os_error() == Some(libc::EBUSY) => {
+                                dying |= group_is_exiting(&p, tasks);
+                            }
+                            Err(_) => {}
                         }
                     }
                 }
             }
+            dying
         }
+        let tasks = match self.version {
+            CgroupVersion::V2 => "cgroup.threads",
+            CgroupVersion::V1 => "tasks",
+        };
+        let deadline = std::time::Instant::now() + wait;
         let mut n = 0;
-        walk(&self.root, keep, &mut n);
+        while walk(&self.root, keep, tasks, &mut n) && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
         n
     }
 
@@ -498,6 +531,36 @@ fn remove_dir_if_exists(dir: &Path) -> Result<(), CgroupError> {
             err: e,
         }),
     }
+}
+
+/// Whether every task a group lists (`tasks`: `cgroup.threads` or v1's
+/// `tasks`) is exiting (`PF_EXITING` in `/proc/TID/stat`'s flags, set at
+/// the start of `do_exit`; zombies keep it) or gone, and it lists one: a
+/// group that will be empty soon. A task of another pid namespace's view,
+/// or one whose stat cannot be read, counts as exiting only if gone.
+fn group_is_exiting(dir: &Path, tasks: &str) -> bool {
+    const PF_EXITING: u64 = 0x4;
+    let Ok(list) = fs::read_to_string(dir.join(tasks)) else {
+        return false;
+    };
+    let mut any = false;
+    for tid in list.lines().filter_map(|l| l.trim().parse::<u32>().ok()) {
+        any = true;
+        let stat = match fs::read_to_string(format!("/proc/{tid}/stat")) {
+            Ok(s) => s,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+            Err(_) => return false,
+        };
+        // Field 9 (flags), counted after the command's closing parenthesis.
+        let flags = stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().nth(6))
+            .and_then(|f| f.parse::<u64>().ok());
+        if flags.is_none_or(|f| f & PF_EXITING == 0) {
+            return false;
+        }
+    }
+    any
 }
 
 /// Finds the cpu controller: v2 where `cgroup.controllers` lists `cpu`, else v1.
