@@ -1177,6 +1177,31 @@ impl Policy {
         let idle_pct = if idle_pct < 1.0 { 0.0 } else { idle_pct };
         let wasted_pct = idle_pct.min(waiting);
         self.margin += alpha * (wasted_pct - self.margin);
+        // The exclusion charge: CPU the host left idle while VMs that
+        // wanted it waited parked was held for the VMs that ran. It is
+        // charged to their credit (not their usage), in proportion to what
+        // each used: a turn that leaves part of the host idle costs the
+        // whole host's time it kept the others out. Without it, a throttled
+        // I/O hog whose threads use 105 % of the host while it runs alone
+        // (its vCPU and device thread waking for every request) paid for
+        // 105 % and took turns of ~49 % of the time for a 25 % share, in
+        // which an io victim of three times its shares did nothing. VMs of
+        // classes with a reservation are not charged: a reservation is a
+        // guarantee of CPU used, not of host time.
+        let charged = |v: &VmState, classes: &[ClassState]| {
+            !v.parked && classes[v.class].spec.reserved_percent() == 0
+        };
+        let unparked_used: f64 = self
+            .vms
+            .iter()
+            .filter(|v| charged(v, &self.classes))
+            .map(|v| v.used_ns as f64)
+            .sum();
+        let exclusion_per_used = if unparked_used > 0.0 {
+            wasted_pct / 100.0 * dtf / unparked_used
+        } else {
+            0.0
+        };
         // Reservations are guarantees of the CPU the host delivers. When the
         // host is contended (VMs waited) but delivered less than its
         // capacity (switches between VMs, kick latency), VMs of classes
@@ -1231,7 +1256,12 @@ impl Policy {
                 others_scale
             };
             let earned = vm.ent / 100.0 * dtf * scale;
-            let mut credit = vm.credit + earned - used;
+            let excluded = if charged(vm, &self.classes) {
+                used * exclusion_per_used
+            } else {
+                0.0
+            };
+            let mut credit = vm.credit + earned - used - excluded;
             // Only under-use (free to run, used less than it earned) is
             // clipped: credit above the bound that was earned while parked
             // is owed and kept until spent. Clipping it at the unpark (as
@@ -1414,7 +1444,14 @@ impl Policy {
         // parks a running VM and never leaves CPU idle. Deferral stops at
         // the first VM that cannot be deferred, so a tick that defers the
         // waiting VM with the most lag unparks no other VM and starts no
-        // new slice: it gets in within one slice.
+        // new slice: it gets in within one slice. An I/O VM is deferred
+        // even where that leaves CPU idle for the rest of the slice (the
+        // exclusion charge bills it to the VM in its slice): beside it, an
+        // io victim waits for a CPU at every hand-off as when co-run (see
+        // above). Unparked at the second tick of a throttled I/O hog's
+        // two-tick turn, it ran beside the hog in 23 % of the time and its
+        // vCPU waited 3 s a run for a CPU (interference benchmark,
+        // BENCHMARKS.md, Session 11).
         let mut added = false;
         for &(_, _, in_slice, i) in candidates.iter() {
             let vm = &mut vms[i as usize];
@@ -1432,7 +1469,7 @@ impl Policy {
             if !(vm.run && vm.parked) {
                 continue;
             }
-            if admitted - vm.demand < target {
+            if admitted - vm.demand < target && !vm.io {
                 break;
             }
             vm.run = false;
@@ -1910,19 +1947,25 @@ mod tests {
     /// The io victim takes turns with the hog instead: beside it, real VMs
     /// showed the victim waiting for the host's CPU at every hand-off
     /// between its vCPU and its device thread (this model, fair per thread,
-    /// would make running them together look better than it is). Both run
-    /// in 22 % of the ticks here (the slices' overlaps); 50 % if the hog
-    /// took the io victim beside it as it does the cpu victim.
+    /// would make running them together look better than it is). They never
+    /// run together here: 50 % of the ticks if the hog took the io victim
+    /// beside it as it does the cpu victim, 22 % when the victim was
+    /// unparked in the hog's slice. The hog's turns leave 85 % of the host
+    /// idle while the victim waits, and the exclusion charge bills the hog
+    /// for it: the victim gets its 150 % (132.9 % without the charge, when
+    /// the hog got 48.1 % of a CPU in turns of ~42 % of the time), the hog
+    /// 25 % of the host's time, in which it uses 28.8 % of a CPU.
     #[test]
     fn an_io_victim_takes_turns_with_a_throttled_hog() {
         let (victim, hog, both) = beside_a_throttled_hog(true);
         eprintln!("victim {victim:.1} %, hog {hog:.1} %, both ran {both:.3}");
         assert!(
-            both <= 0.3,
+            both <= 0.02,
             "both ran in {:.1} % of the ticks",
             both * 100.0
         );
-        assert!((40.0..=60.0).contains(&hog), "hog got {hog:.1} %");
+        assert!(victim >= 145.0, "victim got {victim:.1} %");
+        assert!((25.0..=35.0).contains(&hog), "hog got {hog:.1} %");
     }
 
     #[test]

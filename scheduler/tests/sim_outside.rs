@@ -53,7 +53,10 @@ fn shares_hold_beside_an_outside_busy_loop() {
 
 /// The model reproduces the failure: planning with the nominal capacity,
 /// gold's entitlement is out of its reach and its credit flows to bronze
-/// (62-63 % on real VMs).
+/// (62-63 % on real VMs; 62.6 % in this model before the exclusion charge,
+/// which bills the CPU the loop takes, seen as idle while the other VM
+/// waits, to the VM that ran, and brings it to 72.5 %: still outside the
+/// 75 ± 2 band the measurement keeps).
 #[test]
 fn without_the_outside_measurement_the_shares_break() {
     let (gold, vms, outside) = three_to_one_beside_a_loop(false);
@@ -62,7 +65,7 @@ fn without_the_outside_measurement_the_shares_break() {
          outside loop {outside:.1} %"
     );
     assert!(
-        gold < 70.0,
+        gold < 73.0,
         "gold got {gold:.2} %: the model no longer shows the bug"
     );
 }
