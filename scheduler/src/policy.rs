@@ -1386,7 +1386,15 @@ impl Policy {
             // per-thread fairness, not in the leftover: it is admitted only
             // if none of them is then expected to get less than its
             // entitlement (or its demand, if smaller). See [`dilutes`].
+            // Never an I/O VM: beside them it waits for a CPU at every
+            // hand-off between its vCPU and its device thread, like a
+            // co-runner (below). An io victim admitted so beside a
+            // throttled I/O hog whenever the hog ranked first ran with it
+            // in 16 % of the time (BENCHMARKS.md, Session 11).
             let cand = &vms[i as usize];
+            if admitted > 0.0 && admitted + 0.25 * cand.demand > target && cand.io {
+                continue;
+            }
             if admitted > 0.0 && admitted + 0.25 * cand.demand > target {
                 fill.clear();
                 for &(.., j) in candidates.iter() {
