@@ -309,13 +309,19 @@ impl CgroupBackend {
         self.add_threads(&dir, tids)
     }
 
+    /// The file of a group that lists (and takes) its threads:
+    /// `cgroup.threads` in v2, `tasks` in v1.
+    fn tasks_file(&self) -> &'static str {
+        match self.version {
+            CgroupVersion::V2 => "cgroup.threads",
+            CgroupVersion::V1 => "tasks",
+        }
+    }
+
     /// Threads `tids` into group `dir` (`cgroup.threads` of a threaded v2
     /// group, v1's `tasks`).
     fn add_threads(&self, dir: &Path, tids: &[libc::pid_t]) -> Result<(), CgroupError> {
-        let file = match self.version {
-            CgroupVersion::V2 => dir.join("cgroup.threads"),
-            CgroupVersion::V1 => dir.join("tasks"),
-        };
+        let file = dir.join(self.tasks_file());
         for tid in tids {
             write(&file, &tid.to_string())?;
         }
@@ -364,14 +370,6 @@ impl CgroupBackend {
     /// or the VM's memory can take a while) is retried for up to
     /// [`BUSY_GROUP_WAIT`]. Returns how many were removed.
     pub fn prune(&self, keep: &std::collections::BTreeSet<PathBuf>) -> usize {
-        self.prune_within(keep, BUSY_GROUP_WAIT)
-    }
-
-    fn prune_within(
-        &self,
-        keep: &std::collections::BTreeSet<PathBuf>,
-        wait: std::time::Duration,
-    ) -> usize {
         /// One pass; returns whether a group it could not remove is dying.
         fn walk(
             dir: &Path,
@@ -400,11 +398,8 @@ impl CgroupBackend {
             }
             dying
         }
-        let tasks = match self.version {
-            CgroupVersion::V2 => "cgroup.threads",
-            CgroupVersion::V1 => "tasks",
-        };
-        let deadline = std::time::Instant::now() + wait;
+        let tasks = self.tasks_file();
+        let deadline = std::time::Instant::now() + BUSY_GROUP_WAIT;
         let mut n = 0;
         while walk(&self.root, keep, tasks, &mut n) && std::time::Instant::now() < deadline {
             std::thread::sleep(std::time::Duration::from_millis(5));

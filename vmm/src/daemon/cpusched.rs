@@ -485,8 +485,8 @@ impl CpuScheduler {
         // waited for a CPU behind the other VM's spinning vCPUs, at its
         // turn's start and at its end (io victim beside the CPU hog: vCPU
         // waits 1.43 s a run without the handover, 2.09 s with it only for
-        // an incoming I/O VM, 0.36 s with it both ways); between CPU-bound VMs the
-        // overlap costs nothing the credits do not charge, and at 100
+        // an incoming I/O VM, 0.36 s with it both ways); between CPU-bound
+        // VMs the overlap costs nothing the credits do not charge, and at 100
         // spinning vCPUs the polls cost the scheduler thread ~0.2 % of a
         // CPU (BENCHMARKS.md, Session 10).
         // A handover still pending from the last tick is superseded: this
@@ -496,7 +496,8 @@ impl CpuScheduler {
 
     /// Ends a pending handover once every VM the last tick parked has its
     /// vCPUs off the CPU (all waiting on its gate), or at its deadline:
-    /// opens the gates of the VMs that tick decided to unpark. Returns whether a handover is still pending. A VM
+    /// opens the gates of the VMs that tick decided to unpark. Returns
+    /// whether a handover is still pending. A VM
     /// process's count of waiting vCPUs is its own (untrusted): one that
     /// under-reports only delays the next VM by the deadline (at most one
     /// tick), one that over-reports only ends the handover early.

@@ -93,15 +93,9 @@ fn instance_names_follow_the_state_directory() {
 
 #[test]
 fn whole_processes_in_real_cgroups() {
-    if !(unsafe_is_root() && detect().is_some()) {
-        eprintln!("SKIPPED: needs root and a cgroup cpu controller");
+    let Some(b) = real_processes_backend("ptest") else {
         return;
-    }
-    let b = CgroupBackend::open(
-        &format!("ptest{}", std::process::id()),
-        Placement::Processes,
-    )
-    .unwrap();
+    };
     b.set_class("gold", 300, None).unwrap();
     b.set_class("bronze", 100, None).unwrap();
     let mut child = std::process::Command::new("sleep")
@@ -160,15 +154,9 @@ fn whole_processes_in_real_cgroups() {
 /// killed right before the prune: it must wait for it, and for it only.
 #[test]
 fn prune_waits_for_a_group_whose_tasks_are_exiting() {
-    if !(unsafe_is_root() && detect().is_some()) {
-        eprintln!("SKIPPED: needs root and a cgroup cpu controller");
+    let Some(b) = real_processes_backend("xtest") else {
         return;
-    }
-    let b = CgroupBackend::open(
-        &format!("xtest{}", std::process::id()),
-        Placement::Processes,
-    )
-    .unwrap();
+    };
     b.set_class("gold", 100, None).unwrap();
     b.prepare_vm("gold", "dying", 100, None).unwrap();
     let mut fds = [0; 2];
@@ -222,6 +210,18 @@ fn prune_waits_for_a_group_whose_tasks_are_exiting() {
     let _ = b.remove_class("gold");
     assert!(gone, "the killed process's group outlived the prune");
     assert_eq!(removed, 1);
+}
+
+/// A backend placing whole processes in the real cgroup hierarchy, under an
+/// instance named `prefix` and this test process's pid; `None` (the test is
+/// skipped, and says so) without root or a cgroup cpu controller.
+fn real_processes_backend(prefix: &str) -> Option<CgroupBackend> {
+    if !(unsafe_is_root() && detect().is_some()) {
+        eprintln!("SKIPPED: needs root and a cgroup cpu controller");
+        return None;
+    }
+    let name = format!("{prefix}{}", std::process::id());
+    Some(CgroupBackend::open(&name, Placement::Processes).unwrap())
 }
 
 fn unsafe_is_root() -> bool {
