@@ -534,28 +534,32 @@ fn remove_dir_if_exists(dir: &Path) -> Result<(), CgroupError> {
 /// group that will be empty soon. A task of another pid namespace's view,
 /// or one whose stat cannot be read, counts as exiting only if gone.
 fn group_is_exiting(dir: &Path, tasks: &str) -> bool {
-    const PF_EXITING: u64 = 0x4;
     let Ok(list) = fs::read_to_string(dir.join(tasks)) else {
         return false;
     };
     let mut any = false;
     for tid in list.lines().filter_map(|l| l.trim().parse::<u32>().ok()) {
         any = true;
-        let stat = match fs::read_to_string(format!("/proc/{tid}/stat")) {
-            Ok(s) => s,
+        match task_is_exiting(tid) {
             Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
-            Err(_) => return false,
-        };
-        // Field 9 (flags), counted after the command's closing parenthesis.
-        let flags = stat
-            .rsplit_once(')')
-            .and_then(|(_, rest)| rest.split_whitespace().nth(6))
-            .and_then(|f| f.parse::<u64>().ok());
-        if flags.is_none_or(|f| f & PF_EXITING == 0) {
-            return false;
+            Ok(true) => {}
+            _ => return false,
         }
     }
     any
+}
+
+/// Whether task `tid` has `PF_EXITING` in the flags of `/proc/TID/stat`
+/// (false if they cannot be parsed).
+fn task_is_exiting(tid: u32) -> io::Result<bool> {
+    const PF_EXITING: u64 = 0x4;
+    let stat = fs::read_to_string(format!("/proc/{tid}/stat"))?;
+    // Field 9 (flags), counted after the command's closing parenthesis.
+    let flags = stat
+        .rsplit_once(')')
+        .and_then(|(_, rest)| rest.split_whitespace().nth(6))
+        .and_then(|f| f.parse::<u64>().ok());
+    Ok(flags.is_some_and(|f| f & PF_EXITING != 0))
 }
 
 /// Finds the cpu controller: v2 where `cgroup.controllers` lists `cpu`, else v1.

@@ -200,6 +200,19 @@ fn prune_waits_for_a_group_whose_tasks_are_exiting() {
         [b.class_dir("gold").unwrap()].into_iter().collect();
     // SAFETY: kill(2) of our own child.
     assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
+    // As in the daemon test, whose process was already gone from `/proc`
+    // by command line: the kill has reached the child (it is in `do_exit`,
+    // `PF_EXITING`; our unreaped zombie keeps its stat readable). Without
+    // this, on a loaded host the prune could run before the child saw the
+    // signal and rightly leave a group with a live task.
+    let t0 = std::time::Instant::now();
+    while !task_is_exiting(pid as u32).unwrap() {
+        assert!(
+            t0.elapsed() < std::time::Duration::from_secs(10),
+            "the kill did not land"
+        );
+        std::thread::sleep(std::time::Duration::from_micros(200));
+    }
     let removed = b.prune(&keep);
     let dir = b.vm_dir("gold", "dying").unwrap();
     let gone = !dir.exists();
