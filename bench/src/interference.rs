@@ -185,9 +185,16 @@ pub fn run(a: InterferenceArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String)
     let mut cells: Vec<Cell> = Vec::new();
     let started = Instant::now();
     let mut round = 0;
-    let mut active: Vec<usize> = (0..jobs.len())
+    // The victims asked for (`--victims`): only these run, and only their
+    // intervals decide when the rounds stop. Before, the stop rule saw every
+    // victim, so from the second round on the ones not asked for ran too
+    // (and took most of the budget while they settled).
+    let selected: Vec<usize> = (0..jobs.len())
         .filter(|&i| a.victims.is_empty() || a.victims.iter().any(|v| v == jobs[i].0))
         .collect();
+    let names: Vec<&str> = selected.iter().map(|&i| jobs[i].0).collect();
+    let all_names = jobs.each_ref().map(|(j, _)| *j);
+    let mut active = selected.clone();
     let stop = loop {
         round += 1;
         let compare = round <= a.compare_runs;
@@ -231,9 +238,10 @@ pub fn run(a: InterferenceArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String)
             }
             continue;
         }
-        let progress: Vec<Progress> = jobs.iter().map(|(j, _)| progress_of(&cells, j)).collect();
+        let progress: Vec<Progress> = all_names.iter().map(|j| progress_of(&cells, j)).collect();
         let elapsed = started.elapsed().as_secs_f64();
-        match rounds::next(
+        match rounds::next_selected(
+            &selected,
             &progress,
             elapsed,
             budget.as_secs_f64(),
@@ -244,7 +252,13 @@ pub fn run(a: InterferenceArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String)
             Next::Settled => {
                 break format!(
                     "{}: every headline slowdown's 95 % interval within ±{} % ({elapsed:.0} s)",
-                    rounds::describe(&jobs.each_ref().map(|(j, _)| *j), &progress),
+                    rounds::describe(
+                        &names,
+                        &selected
+                            .iter()
+                            .map(|&i| progress[i].clone())
+                            .collect::<Vec<_>>()
+                    ),
                     a.target
                 );
             }
@@ -258,7 +272,13 @@ pub fn run(a: InterferenceArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String)
                     "{}: the budget of {:.0} s is spent; the widest headline 95 % interval is \
                      ±{widest:.1} % (wanted ±{} %; the Goals table says how many more rounds \
                      each would take)",
-                    rounds::describe(&jobs.each_ref().map(|(j, _)| *j), &progress),
+                    rounds::describe(
+                        &names,
+                        &selected
+                            .iter()
+                            .map(|&i| progress[i].clone())
+                            .collect::<Vec<_>>()
+                    ),
                     budget.as_secs_f64(),
                     a.target
                 );

@@ -73,6 +73,27 @@ pub(crate) fn next(
     Next::Run(open)
 }
 
+/// [`next`] over the jobs in `selected` only (indices into `jobs`, which
+/// holds every job's progress): the jobs not selected never run and do not
+/// keep the rounds going. Returns indices into `jobs`.
+pub(crate) fn next_selected(
+    selected: &[usize],
+    jobs: &[Progress],
+    elapsed_s: f64,
+    budget_s: f64,
+    min_rounds: u32,
+    target: f64,
+) -> Next {
+    let mine: Vec<Progress> = selected
+        .iter()
+        .filter_map(|&i| jobs.get(i).cloned())
+        .collect();
+    match next(&mine, elapsed_s, budget_s, min_rounds, target) {
+        Next::Run(v) => Next::Run(v.into_iter().map(|k| selected[k]).collect()),
+        other => other,
+    }
+}
+
 /// "N rounds", or "cpu N rounds, io M rounds" when the jobs differ.
 pub(crate) fn describe(names: &[&str], p: &[Progress]) -> String {
     let first = p.first().map_or(0, |v| v.rounds);
@@ -207,6 +228,33 @@ mod tests {
         assert!(r.half_width_pct() <= 5.0);
         assert!(r.lo_pct < 45.0 && r.hi_pct > 45.0, "{r:?}");
         assert!(elapsed < 2400.0);
+    }
+
+    /// `--victims io`: only job 1 runs. The cpu victim (job 0) has no
+    /// rounds, so its intervals are open; before, the stop rule saw it and
+    /// ran it from the second round on.
+    #[test]
+    fn only_the_selected_jobs_run_and_decide_the_stop() {
+        let v = [job(0, 0.0), job(1, 0.0)];
+        assert_eq!(
+            next_selected(&[1], &v, 40.0, 2400.0, 3, 5.0),
+            Next::Run(vec![1])
+        );
+        let v = [job(0, 0.0), job(4, 0.01)];
+        assert_eq!(
+            next_selected(&[1], &v, 300.0, 2400.0, 3, 5.0),
+            Next::Settled
+        );
+        // Both selected: as `next`.
+        let v = [job(4, 0.2), job(4, 0.01)];
+        assert_eq!(
+            next_selected(&[0, 1], &v, 300.0, 2400.0, 3, 5.0),
+            next(&v, 300.0, 2400.0, 3, 5.0)
+        );
+        assert_eq!(
+            next_selected(&[0, 1], &v, 300.0, 2400.0, 3, 5.0),
+            Next::Run(vec![0])
+        );
     }
 
     #[test]

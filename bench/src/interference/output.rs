@@ -382,6 +382,10 @@ fn goals(rep: &mut Report, r: &Run<'_>) {
         "rounds still needed",
     ]);
     for ((jname, _), p) in r.jobs.iter().zip(r.progress) {
+        if p.rounds == 0 {
+            // A victim not asked for (`--victims`).
+            continue;
+        }
         for (key, limit) in GOALS {
             let Some(scn) = SCENARIOS.iter().find(|s| s.key == key) else {
                 continue;
