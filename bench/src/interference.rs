@@ -263,9 +263,9 @@ pub fn run(a: InterferenceArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String)
                 );
             }
             Next::BudgetSpent => {
-                let widest = progress
+                let widest = selected
                     .iter()
-                    .flat_map(|p| &p.ratios)
+                    .flat_map(|&i| &progress[i].ratios)
                     .map(|r| r.map_or(f64::INFINITY, |r| r.half_width_pct()))
                     .fold(0.0, f64::max);
                 break format!(
