@@ -240,6 +240,7 @@ pub fn run(a: InterferenceArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String)
         }
         let progress: Vec<Progress> = all_names.iter().map(|j| progress_of(&cells, j)).collect();
         let elapsed = started.elapsed().as_secs_f64();
+        let mine: Vec<Progress> = selected.iter().map(|&i| progress[i].clone()).collect();
         match rounds::next_selected(
             &selected,
             &progress,
@@ -252,33 +253,21 @@ pub fn run(a: InterferenceArgs, builtin: &Arc<[u8]>) -> Result<(PathBuf, String)
             Next::Settled => {
                 break format!(
                     "{}: every headline slowdown's 95 % interval within ±{} % ({elapsed:.0} s)",
-                    rounds::describe(
-                        &names,
-                        &selected
-                            .iter()
-                            .map(|&i| progress[i].clone())
-                            .collect::<Vec<_>>()
-                    ),
+                    rounds::describe(&names, &mine),
                     a.target
                 );
             }
             Next::BudgetSpent => {
-                let widest = selected
+                let widest = mine
                     .iter()
-                    .flat_map(|&i| &progress[i].ratios)
+                    .flat_map(|p| &p.ratios)
                     .map(|r| r.map_or(f64::INFINITY, |r| r.half_width_pct()))
                     .fold(0.0, f64::max);
                 break format!(
                     "{}: the budget of {:.0} s is spent; the widest headline 95 % interval is \
                      ±{widest:.1} % (wanted ±{} %; the Goals table says how many more rounds \
                      each would take)",
-                    rounds::describe(
-                        &names,
-                        &selected
-                            .iter()
-                            .map(|&i| progress[i].clone())
-                            .collect::<Vec<_>>()
-                    ),
+                    rounds::describe(&names, &mine),
                     budget.as_secs_f64(),
                     a.target
                 );
