@@ -383,7 +383,7 @@ fn two_level_tree(backend: Backend) -> (f64, f64, f64) {
     eprintln!(
         "{backend:?} backend, two-level class tree on a {:.0} % host, {WINDOW:?}:\n  tenant-a \
          {:.2} % (a-gold {g:.2} %, a-bronze {br:.2} %), tenant-b {t:.2} % of the VMs' {total:.1} %\n  \
-         expected 50 (37.5, 12.5) and 50, bound ± 2 points each",
+         expected 50 (37.5, 12.5) and 50",
         host_cpus(),
         g + br
     );
@@ -393,24 +393,32 @@ fn two_level_tree(backend: Backend) -> (f64, f64, f64) {
     (g, br, t)
 }
 
-fn check_tree((g, br, t): (f64, f64, f64)) {
-    assert!((g + br - 50.0).abs() <= 2.0, "tenant-a {:.2}", g + br);
-    assert!((t - 50.0).abs() <= 2.0, "tenant-b {t:.2}");
-    assert!((g - 37.5).abs() <= 2.0, "a-gold {g:.2}");
-    assert!((br - 12.5).abs() <= 2.0, "a-bronze {br:.2}");
+/// Each share within `bound` points of its target.
+fn check_tree((g, br, t): (f64, f64, f64), bound: f64) {
+    eprintln!("  bound ± {bound} points each");
+    assert!((g + br - 50.0).abs() <= bound, "tenant-a {:.2}", g + br);
+    assert!((t - 50.0).abs() <= bound, "tenant-b {t:.2}");
+    assert!((g - 37.5).abs() <= bound, "a-gold {g:.2}");
+    assert!((br - 12.5).abs() <= bound, "a-bronze {br:.2}");
 }
 
 #[test]
 fn gate_two_level_class_tree() {
-    check_tree(two_level_tree(Backend::Gate));
+    check_tree(two_level_tree(Backend::Gate), 2.0);
 }
 
-/// The same tree as nested cgroups, for comparison.
+/// The same tree as nested cgroups, for comparison. The split is the
+/// kernel's (CFS group weights), not corral's policy, so the bound is the
+/// one of the other comparison test (± 5 points), not the gate's ± 2: on a
+/// quiet host CFS lands within ± 1.1 points (48.9–50.3 % for tenant-a in six
+/// runs), but in the CI run of stop 25 it gave tenant-a 46.54 % while the
+/// gate's tree passed in the same run. ± 5 still fails on a tree that is not
+/// nested (flat, tenant-a would get 66.7 %) or whose levels are swapped.
 #[test]
 fn cgroup_two_level_class_tree_for_comparison() {
     if corral_vmm::cgroup::detect().is_none() {
         eprintln!("SKIPPED: no cgroup cpu controller on this host");
         return;
     }
-    check_tree(two_level_tree(Backend::Cgroup));
+    check_tree(two_level_tree(Backend::Cgroup), 5.0);
 }
